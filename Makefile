@@ -1,0 +1,38 @@
+# Every target creates .venv on first use and reinstalls only when pyproject.toml or the
+# constraints change. Nothing else needs to be set up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test lint typecheck unit bench gpu clean
+
+$(STAMP): pyproject.toml ci/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[test,dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/run_demo.py
+
+test: lint typecheck unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu" -ra
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+gpu: $(STAMP)
+	bash ci/gpu
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

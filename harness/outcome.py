@@ -1,0 +1,212 @@
+"""How a rank ended, which failure was the root cause, and the report text.
+
+Imports no torch: both the pytest process and the ranks use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import re
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Ending(enum.Enum):
+    RETURNED = "returned"
+    RAISED = "raised"
+    EXITED = "exited"  # SystemExit raised in the body; the worker lives on
+    SKIPPED = "skipped"  # pytest.skip() in the body
+    HARD_EXIT = "hard exit"  # the process ended with an exit status (os._exit, abort paths)
+    SIGNALLED = "signalled"  # the process died of a signal
+    HUNG = "hung"  # still running at the deadline; stacks dumped, then killed
+
+
+# Errors that a rank gets because a peer went away: they are consequences, not causes.
+_PEER_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+# faulthandler's line for a frame of torch's collective API:
+#   File ".../distributed_c10d.py", line 5356 in barrier
+_C10D_FRAME = re.compile(r'distributed_c10d\.py", line \d+ in (\w+)')
+_PEER_ERROR_TEXT = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"ProcessGroup.*(aborted|destroyed)|communicator was aborted|"
+    r"Socket Timeout|Connection refused|peer.*(closed|died|exited)",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class RankOutcome:
+    """One rank's end of one run: what it did, when, and what it printed."""
+
+    key: str
+    rank: int
+    pid: int
+    ending: Ending
+    at: float = 0.0  # time.monotonic() when the rank ended (system-wide clock)
+    value_blob: bytes | None = None
+    value_repr: str = ""
+    exc_type: str = ""  # qualified name, e.g. "builtins.ValueError"
+    exc_mro: tuple[str, ...] = ()  # class names of the type and its bases
+    message: str = ""
+    traceback: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    stack: str = ""  # Python stacks of a hung rank
+    where: str = ""  # the labelled collective a hung rank was in, when known
+    output: str = ""  # captured stdout and stderr
+    after_failure: bool = False  # hung only because a peer had failed
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.ending is Ending.RETURNED
+
+    @property
+    def value(self) -> Any:
+        """The rank's return value (loaded in the pytest process), or None."""
+        if self.value_blob is None:
+            return None
+        return pickle.loads(self.value_blob)
+
+    @property
+    def exc_name(self) -> str:
+        return self.exc_type.rsplit(".", 1)[-1]
+
+    @property
+    def in_collective(self) -> str:
+        """The collective a hung rank waits in: its rankwise label, else torch's function."""
+        if self.where:
+            return self.where
+        match = _C10D_FRAME.search(self.stack)
+        return match.group(1) if match else ""
+
+    @property
+    def looks_collateral(self) -> bool:
+        """Whether this failure reads as caused by a peer going away (or not arriving)."""
+        if self.ending is Ending.HUNG:
+            return self.after_failure or bool(self.in_collective)
+        if self.ending is not Ending.RAISED:
+            return False
+        return self.exc_name in _PEER_ERROR_TYPES or bool(_PEER_ERROR_TEXT.search(self.message))
+
+    def describe(self) -> str:
+        """One phrase: 'raised ValueError: bad', 'died of SIGSEGV', 'hung in all_reduce(...)'."""
+        if self.ending is Ending.RETURNED:
+            return "returned"
+        if self.ending is Ending.RAISED:
+            first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+            return f"raised {self.exc_name}: {first}" if first else f"raised {self.exc_name}"
+        if self.ending is Ending.EXITED:
+            return f"called sys.exit({self.exit_code})"
+        if self.ending is Ending.SKIPPED:
+            return f"skipped: {self.message}"
+        if self.ending is Ending.HARD_EXIT:
+            return f"process exited with status {self.exit_code}"
+        if self.ending is Ending.SIGNALLED:
+            return f"died of {signal_name(self.signal)}"
+        where = self.in_collective
+        return f"hung in {where}" if where else "hung outside any collective"
+
+
+def signal_name(signum: int | None) -> str:
+    if signum is None:
+        return "an unknown signal"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def outcome_from_exitcode(
+    key: str, rank: int, pid: int, exitcode: int | None, at: float
+) -> RankOutcome:
+    """The outcome of a rank process that ended without reporting a result."""
+    if exitcode is not None and exitcode < 0:
+        return RankOutcome(key, rank, pid, Ending.SIGNALLED, at=at, signal=-exitcode)
+    return RankOutcome(key, rank, pid, Ending.HARD_EXIT, at=at, exit_code=exitcode)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Which rank's failure came first and which failures it caused."""
+
+    root: int | None
+    collateral: tuple[int, ...]
+    independent: tuple[int, ...]  # failed on their own account, after the root cause
+
+    @property
+    def failed(self) -> bool:
+        return self.root is not None
+
+
+def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosis:
+    """Pick the root cause among the `failed` ranks: the first in time that a peer did not cause."""
+    if not failed:
+        return Diagnosis(None, (), ())
+    by_rank = {o.rank: o for o in outcomes}
+    primary = [r for r in failed if not by_rank[r].looks_collateral]
+    pool = primary or list(failed)
+    root = min(pool, key=lambda r: (by_rank[r].at, r))
+    rest = [r for r in failed if r != root]
+    collateral = tuple(r for r in rest if r not in primary)
+    independent = tuple(r for r in rest if r in primary)
+    return Diagnosis(root, collateral, independent)
+
+
+def _ranks_phrase(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def summary_line(outcomes: Sequence[RankOutcome], diagnosis: Diagnosis) -> str:
+    """'rank 1 failed: raised AssertionError: ...; ranks 0, 2, 3 collateral'."""
+    if diagnosis.root is None:
+        return "every rank ended as expected"
+    root = next(o for o in outcomes if o.rank == diagnosis.root)
+    parts = [f"rank {root.rank} failed: {root.describe()}"]
+    if diagnosis.independent:
+        parts.append(f"{_ranks_phrase(diagnosis.independent)} also failed")
+    if diagnosis.collateral:
+        parts.append(f"{_ranks_phrase(diagnosis.collateral)} collateral")
+    return "; ".join(parts)
+
+
+def render_report(
+    outcomes: Sequence[RankOutcome],
+    diagnosis: Diagnosis,
+    header: str,
+    details: dict[int, str] | None = None,
+) -> str:
+    """The failure text: the summary, then one section per failing rank, root cause first."""
+    details = details or {}
+    lines = [header, ""]
+    order = [diagnosis.root, *diagnosis.independent, *diagnosis.collateral]
+    by_rank = {o.rank: o for o in outcomes}
+    for r in order:
+        if r is None:
+            continue
+        o = by_rank[r]
+        role = (
+            "root cause"
+            if r == diagnosis.root
+            else ("collateral" if r in diagnosis.collateral else "also failed")
+        )
+        lines.append(f"{'=' * 8} rank {r} (pid {o.pid}): {o.describe()} [{role}] {'=' * 8}")
+        if r in details:
+            lines.append(details[r])
+        for note in o.notes:
+            lines.append(note)
+        if o.traceback:
+            lines.append(o.traceback.rstrip())
+        if o.stack:
+            lines.append("-- Python stacks at the deadline --")
+            lines.append(o.stack.rstrip())
+        if o.output.strip():
+            lines.append(f"-- rank {r} captured stdout/stderr --")
+            lines.append(o.output.rstrip())
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

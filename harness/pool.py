@@ -1,0 +1,356 @@
+"""Warm rank processes: start them, hand them runs, collect every rank's end, kill and replace.
+
+A :class:`Pool` is N worker processes for one (world size, backend, start method); it stays
+alive across tests. :class:`Pools` owns the pools of one pytest process and the one TCPStore
+(bound to port 0, so no port is ever probed) through which every test's process group meets.
+Imported only when a test first needs ranks, so collection never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.protocol import Kind, Message, RunTask, Target
+from harness.stacks import dump_stacks
+
+START_METHODS = ("forkserver", "spawn", "fork")
+BACKENDS = ("gloo", "nccl")
+# After one rank fails, how long its peers get to finish before they count as hung. gloo
+# peers fail within milliseconds once the failing rank tears its group down.
+FAILURE_GRACE_S = 5.0
+# How long a pool may take to start (spawn imports torch once per rank).
+START_TIMEOUT_S = 120.0
+OUTPUT_LIMIT = 64 * 1024
+
+
+class PoolStartError(RuntimeError):
+    """The rank processes could not be started."""
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    world_size: int
+    backend: str
+    start_method: str
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run on every rank of a pool: what to call, with what, within what time."""
+
+    target: Target
+    args_blob: bytes
+    timeout_s: float
+    launch: bool = False
+    device_for_rank: Callable[[int], str] = lambda rank: "cpu"
+
+
+class _Slot:
+    """One rank process and the files it writes."""
+
+    def __init__(self, ctx: Any, rank: int, workdir: Path) -> None:
+        from harness import worker
+
+        self.rank = rank
+        self.capture = workdir / f"rank{rank}.out"
+        self.stacks = workdir / f"rank{rank}.stacks"
+        self.where = workdir / f"rank{rank}.where"
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=worker.main,
+            args=(child, str(self.capture), str(self.stacks), str(self.where)),
+            name=f"harness-rank{rank}",
+        )
+        self.process.start()
+        child.close()
+        self.pid: int = self.process.pid
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # the rank and anything it started
+        with contextlib.suppress(Exception):
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+    def read_output(self) -> str:
+        return tail(self.capture)
+
+    def read_where(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.where.read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        return ""
+
+
+def tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - OUTPUT_LIMIT))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode(errors="replace")
+    return text if size <= OUTPUT_LIMIT else f"[... {size - OUTPUT_LIMIT} bytes cut ...]\n{text}"
+
+
+class Pool:
+    """N warm ranks. `run` never leaves a rank running: a hung or dead pool is closed."""
+
+    def __init__(self, key: PoolKey, workdir: Path) -> None:
+        self.key = key
+        self.broken = False
+        ctx = _context(key.start_method)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"ranks{key.world_size}-", dir=workdir))
+        self.slots: list[_Slot] = []
+        try:
+            self.slots = [_Slot(ctx, r, self._dir) for r in range(key.world_size)]
+            self._await_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for slot in self.slots:
+            remaining = deadline - time.monotonic()
+            if not slot.conn.poll(max(0.0, remaining)):
+                raise PoolStartError(
+                    f"rank {slot.rank} did not start within {START_TIMEOUT_S:.0f} s "
+                    f"({self.key.start_method}); its output:\n{slot.read_output()}"
+                )
+            try:
+                message = slot.conn.recv()
+            except EOFError:
+                slot.process.join(timeout=5)
+                raise PoolStartError(
+                    f"rank {slot.rank} died while starting (exit code "
+                    f"{slot.process.exitcode}); its output:\n{slot.read_output()}"
+                ) from None
+            assert message.kind is Kind.READY, message
+
+    @property
+    def pids(self) -> list[int]:
+        return [slot.pid for slot in self.slots]
+
+    def run(self, tasks: list[RunTask], request: RunRequest) -> list[RankOutcome]:
+        """Run one task per rank and return every rank's outcome, in rank order."""
+        completed = False
+        try:
+            outcomes = _Run(self, tasks, request.timeout_s).collect()
+            completed = True
+            return outcomes
+        finally:
+            if not completed:  # Ctrl-C or an internal error mid-run: ranks may still run
+                self.close()
+
+    def close(self) -> None:
+        """Kill the ranks and whatever they started (SIGKILL to each rank's process group)."""
+        self.broken = True
+        for slot in self.slots:
+            slot.kill()
+        self.slots = []
+
+
+class _Run:
+    """The pytest side of one run: send, wait for every rank within the deadline, classify."""
+
+    def __init__(self, pool: Pool, tasks: list[RunTask], timeout_s: float) -> None:
+        self.pool = pool
+        self.slots = list(pool.slots)
+        self.tasks = tasks
+        self.key = tasks[0].key
+        self.timeout_s = timeout_s
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.first_failure_at: float | None = None
+
+    def collect(self) -> list[RankOutcome]:
+        start = time.monotonic()
+        for slot, task in zip(self.slots, self.tasks, strict=False):
+            try:
+                slot.conn.send(Message(Kind.RUN, task))
+            except OSError:  # BrokenPipeError included: the rank is already dead
+                self._record_death(slot)
+        deadline = start + self.timeout_s
+        while len(self.outcomes) < len(self.slots):
+            limit = deadline
+            if self.first_failure_at is not None:
+                limit = min(deadline, self.first_failure_at + FAILURE_GRACE_S)
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                self._handle_hang()
+                break
+            self._wait_once(remaining)
+        for slot in self.slots:
+            self.outcomes[slot.rank].output = slot.read_output()
+        if any(o.ending in _NOT_REUSABLE for o in self.outcomes.values()):
+            self.pool.close()  # the next test gets a fresh pool, never a suspect rank
+        return [self.outcomes[slot.rank] for slot in self.slots]
+
+    def _pending(self) -> list[_Slot]:
+        return [s for s in self.slots if s.rank not in self.outcomes]
+
+    def _wait_once(self, timeout: float) -> None:
+        waitables: dict[Any, tuple[_Slot, bool]] = {}
+        for slot in self._pending():
+            waitables[slot.conn] = (slot, True)
+            waitables[slot.process.sentinel] = (slot, False)
+        for ready in multiprocessing.connection.wait(list(waitables), timeout=timeout):
+            slot, is_conn = waitables[ready]
+            if slot.rank in self.outcomes:
+                continue
+            if is_conn or slot.conn.poll():
+                self._receive(slot)
+            else:
+                self._record_death(slot)
+
+    def _receive(self, slot: _Slot) -> None:
+        try:
+            message = slot.conn.recv()
+        except (EOFError, OSError):
+            self._record_death(slot)
+            return
+        outcome = message.payload
+        if message.kind is not Kind.RESULT or outcome.key != self.key:
+            return  # a late answer to an earlier run is never credited to this one
+        self._record(outcome)
+
+    def _record_death(self, slot: _Slot) -> None:
+        slot.process.join(timeout=5)
+        outcome = outcome_from_exitcode(
+            self.key, slot.rank, slot.pid, slot.process.exitcode, time.monotonic()
+        )
+        self._record(outcome)
+
+    def _record(self, outcome: RankOutcome) -> None:
+        self.outcomes[outcome.rank] = outcome
+        if not outcome.ok and self.first_failure_at is None:
+            self.first_failure_at = time.monotonic()
+
+    def _handle_hang(self) -> None:
+        """Dump the stuck ranks' Python stacks; `collect` then closes the pool."""
+        stuck = self._pending()
+        stacks = dump_stacks({s.rank: (s.pid, s.stacks) for s in stuck})
+        now = time.monotonic()
+        for slot in stuck:
+            outcome = RankOutcome(
+                self.key,
+                slot.rank,
+                slot.pid,
+                Ending.HUNG,
+                at=now,
+                stack=stacks.get(slot.rank, ""),
+                where=slot.read_where(),
+                after_failure=self.first_failure_at is not None,
+            )
+            if self.first_failure_at is not None:
+                waited = now - self.first_failure_at
+                outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
+            else:
+                outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
+            self.outcomes[slot.rank] = outcome
+
+
+_NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
+
+
+def _context(start_method: str) -> Any:
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["harness.worker"])
+    return ctx
+
+
+class Pools:
+    """Every pool of this pytest process, and the store their groups meet through."""
+
+    def __init__(self) -> None:
+        self._pools: dict[PoolKey, Pool] = {}
+        self._store: Any = None
+        self._serial = itertools.count(1)
+        self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
+        self.started_pids: set[int] = set()
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return self._store
+
+    def get(self, key: PoolKey) -> Pool:
+        pool = self._pools.get(key)
+        if pool is None or pool.broken or not all(s.process.is_alive() for s in pool.slots):
+            if pool is not None:
+                pool.close()
+            pool = Pool(key, self._workdir)
+            self._pools[key] = pool
+            self.started_pids.update(pool.pids)
+        return pool
+
+    def run(self, key: PoolKey, request: RunRequest) -> list[RankOutcome]:
+        """Run `request` on a warm pool of `key`, each run in a fresh process group."""
+        pool = self.get(key)
+        serial = next(self._serial)
+        run_key = f"{os.getpid()}-{serial}"
+        launch_store = self._launch_store() if request.launch else None
+        tasks = [
+            RunTask(
+                key=run_key,
+                rank=rank,
+                world_size=key.world_size,
+                backend=key.backend,
+                device=request.device_for_rank(rank),
+                timeout_s=request.timeout_s,
+                store_host="127.0.0.1",
+                store_port=self.store.port,
+                store_prefix=f"run{serial}/",
+                launch_port=launch_store.port if launch_store is not None else None,
+                launch_attempt=serial,
+                target=request.target,
+                args_blob=request.args_blob,
+                sys_path=list(sys.path),
+                cwd=os.getcwd(),
+                env=dict(os.environ),
+            )
+            for rank in range(key.world_size)
+        ]
+        try:
+            return pool.run(tasks, request)
+        finally:
+            del launch_store  # torchrun's agent store lives for the run only
+
+    def _launch_store(self) -> Any:
+        """A store for one launch-mode run, as torchrun's agent hosts one: bound to port 0."""
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        return TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+        self._store = None
+
+
+def pickle_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    return pickle.dumps((args, kwargs))

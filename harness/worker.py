@@ -1,0 +1,403 @@
+"""The code that runs inside a rank process.
+
+Self-contained on purpose: it imports nothing from ``harness.pool`` or ``harness.plugin``, only
+the message and outcome types both sides share. The forkserver preloads this module, so torch
+is imported once in the server and every rank starts with it already loaded.
+
+A worker serves one slot (rank) of one pool for many tests: it waits for a ``RUN`` message,
+sets the test's process group up (or torchrun's environment in launch mode), runs the target,
+tears the group down and answers with a ``RESULT``. Its stdout and stderr go to a capture file
+the pytest process reads after each run, even if the rank died; ``SIGUSR1`` dumps every
+thread's Python stack to a second file, also while the rank is blocked in a C++ collective.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import faulthandler
+import importlib
+import io
+import mmap
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.outcome import Ending, RankOutcome
+from harness.protocol import Kind, Message, Ready, RunTask
+
+_PR_SET_PDEATHSIG = 1
+_WHERE_SIZE = 512
+_LAUNCH_VARS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+def main(conn: Any, capture_path: str, stack_path: str, where_path: str) -> None:
+    """Process entry point: serve runs until the pytest side goes away or kills the rank."""
+    _release_forkserver()
+    _die_with_parent()
+    os.setpgrp()  # our own process group: the pool kills the rank and anything it started
+    capture_fd = _redirect_output(capture_path)
+    stack_file = open(stack_path, "a")  # noqa: SIM115 - must outlive this frame for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    where = _WhereBoard(where_path)
+    where.install()
+    conn.send(Message(Kind.READY, Ready(os.getpid())))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the pytest process is gone
+        os.ftruncate(capture_fd, 0)
+        outcome = _serve(message.payload)
+        _flush()
+        conn.send(Message(Kind.RESULT, outcome))
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to kill this rank when its parent dies, so no rank outlives pytest."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _release_forkserver() -> None:
+    """Drop the forkserver's liveness pipe that forkserver children inherit.
+
+    While any rank holds that pipe's write end, the server never sees pytest die, so it
+    never exits and PDEATHSIG never fires. Without it, a rank that uses the forkserver start
+    method itself (a DataLoader, say) starts a server of its own.
+    """
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # private: no public way to drop the pipe
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
+
+
+def _redirect_output(path: str) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    # Fresh line-buffered streams: what a rank prints survives even a hard death.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    return fd
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+class _WhereBoard:
+    """A shared-memory note of the labelled collective this rank is in, for hang reports."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "w+b") as f:
+            f.truncate(_WHERE_SIZE)
+            self._map = mmap.mmap(f.fileno(), _WHERE_SIZE)
+        self._stack: list[str] = []
+
+    def install(self) -> None:
+        try:
+            from rankwise import _points
+        except ImportError:  # harness used without rankwise: nothing to observe
+            return
+        _points.add_observer(self.observe)
+
+    def observe(self, phase: str, kind: str, label: str) -> None:
+        if phase == "enter":
+            self._stack.append(f"{kind}({label!r})")
+        elif self._stack:
+            self._stack.pop()
+        text = " > ".join(self._stack).encode()[: _WHERE_SIZE - 1]
+        self._map[:] = text.ljust(_WHERE_SIZE, b"\0")
+
+
+def _serve(task: RunTask) -> RankOutcome:
+    """Run one task on this rank and say how it ended; never raises."""
+    saved_env = dict(os.environ)
+    try:
+        _enter_test_context(task)
+        return _run_target(task)
+    except BaseException as exc:  # the harness's own set-up failed on this rank
+        return _raised(task, exc, note="while setting the rank up for the test")
+    finally:
+        _teardown_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _enter_test_context(task: RunTask) -> None:
+    if task.sys_path:
+        sys.path[:] = task.sys_path
+    os.chdir(task.cwd)
+    if task.env:  # the ranks see the environment the test sees, as torchrun's children do
+        os.environ.clear()
+        os.environ.update(task.env)
+    if task.backend == "nccl":
+        torch.cuda.set_device(task.rank)
+    if task.launch_port is not None:
+        os.environ.update(_launch_env(task))
+        return
+    store = dist.PrefixStore(  # type: ignore[attr-defined]
+        task.store_prefix, _client_store(task)
+    )
+    kwargs: dict[str, Any] = {}
+    if task.backend == "nccl":
+        kwargs["device_id"] = torch.device(task.device)
+    dist.init_process_group(
+        task.backend,
+        store=store,
+        rank=task.rank,
+        world_size=task.world_size,
+        timeout=timedelta(seconds=task.timeout_s),
+        **kwargs,
+    )
+
+
+_stores: dict[tuple[str, int], Any] = {}
+
+
+def _client_store(task: RunTask) -> Any:
+    """One client connection per store for the worker's life; tests differ by key prefix."""
+    key = (task.store_host, task.store_port)
+    if key not in _stores:
+        _stores[key] = dist.TCPStore(  # type: ignore[attr-defined]
+            task.store_host,
+            task.store_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=max(task.timeout_s, 1.0)),
+        )
+    return _stores[key]
+
+
+def _launch_env(task: RunTask) -> dict[str, str]:
+    """torchrun's environment; every rank rendezvouses as a client of the pytest-side store."""
+    values = {
+        "WORLD_SIZE": task.world_size,
+        "RANK": task.rank,
+        "LOCAL_RANK": task.rank,
+        "LOCAL_WORLD_SIZE": task.world_size,
+        "GROUP_RANK": 0,
+        "ROLE_RANK": task.rank,
+        "ROLE_WORLD_SIZE": task.world_size,
+        "MASTER_ADDR": task.store_host,
+        "MASTER_PORT": task.launch_port,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": task.launch_attempt,
+        "TORCHELASTIC_RUN_ID": task.key,
+    }
+    assert set(values) == set(_LAUNCH_VARS)
+    return {name: str(value) for name, value in values.items()}
+
+
+def _teardown_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _run_target(task: RunTask) -> RankOutcome:
+    fn = _resolve(task)
+    args, kwargs = pickle.loads(task.args_blob)
+    kwargs.update(_rank_side_values(task, kwargs))
+    try:
+        value = fn(*args, **kwargs)
+    except SystemExit as exc:
+        _teardown_group()  # peers blocked on us fail now instead of at their timeout
+        return _ended(task, Ending.EXITED, exit_code=_exit_code(exc))
+    except BaseException as exc:
+        _teardown_group()
+        if type(exc).__name__ == "Skipped":
+            return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
+        return _raised(task, exc)
+    return _returned(task, value)
+
+
+def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Fill the fixtures only a rank can know, where the test asked for them."""
+    known: dict[str, Callable[[], Any]] = {
+        "rank": lambda: task.rank,
+        "world_size": lambda: task.world_size,
+        "device": lambda: torch.device(task.device),
+    }
+    return {name: make() for name, make in known.items() if name in kwargs}
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _ended(task: RunTask, ending: Ending, **fields: Any) -> RankOutcome:
+    return RankOutcome(task.key, task.rank, os.getpid(), ending, at=time.monotonic(), **fields)
+
+
+def _returned(task: RunTask, value: Any) -> RankOutcome:
+    outcome = _ended(task, Ending.RETURNED)
+    if value is None:
+        return outcome
+    outcome.value_repr = _safe_repr(value)
+    try:
+        outcome.value_blob = pickle.dumps(value)
+    except Exception as exc:
+        outcome.notes.append(f"the return value could not be sent back: {exc!r}")
+    return outcome
+
+
+def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # the report starts in the user's code, not in ours
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    outcome = _ended(
+        task,
+        Ending.RAISED,
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
+        message=str(exc),
+        traceback=text,
+    )
+    if note:
+        outcome.notes.append(note)
+    return outcome
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)[:500]
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+# ---- finding the test function inside a rank ----------------------------------------------
+
+_loaded: dict[str, tuple[str, int]] = {}
+
+
+def _resolve(task: RunTask) -> Callable[..., Any]:
+    target = task.target
+    module = _load_module(target.module, target.file)
+    holder: Any = module
+    parts = target.qualname.split(".")
+    for part in parts[:-1]:
+        holder = getattr(holder, part)
+    if isinstance(holder, type):
+        holder = holder()  # a test class: pytest makes one instance per test too
+    return getattr(holder, parts[-1])  # type: ignore[no-any-return]
+
+
+def _load_module(name: str, file: str | None) -> types.ModuleType:
+    """Import the target's module; a test file is compiled with pytest's assertion rewriting."""
+    if file is None:
+        return importlib.import_module(name)
+    stamp = (file, os.stat(file).st_mtime_ns)
+    if _loaded.get(name) == stamp and name in sys.modules:
+        return sys.modules[name]
+    source = Path(file).read_bytes()
+    tree = ast.parse(source, filename=file)
+    _rewrite_asserts(tree, source, file)
+    code = compile(tree, file, "exec", dont_inherit=True)
+    module = types.ModuleType(name)
+    module.__file__ = file
+    module.__package__ = name.rpartition(".")[0]
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    _loaded[name] = stamp
+    return module
+
+
+def _rewrite_asserts(tree: ast.Module, source: bytes, file: str) -> None:
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+    except ImportError:  # pragma: no cover - pytest is always there in a rank
+        return
+    rewrite_asserts(tree, source, file, None)
+    _install_explanations()
+
+
+def _install_explanations() -> None:
+    """Give rewritten asserts pytest's detailed comparisons ('At index 1 diff: 2 != 3').
+
+    pytest wires these up per test in its own process; in a rank we call its comparison
+    helper directly, adapting to the helper's signature, which differs between versions.
+    """
+    import inspect
+
+    from _pytest.assertion import util
+
+    if util._reprcompare is not None:
+        return
+    params = inspect.signature(util.assertrepr_compare).parameters
+    if "highlighter" in params:  # pytest >= 9
+
+        def lines(op: str, left: object, right: object) -> Any:
+            return util.assertrepr_compare(
+                op,
+                left,
+                right,
+                verbose=0,
+                highlighter=lambda source, lexer="python": source,
+                assertion_text_diff_style="ndiff",
+            )
+    else:
+        config = types.SimpleNamespace(
+            get_verbosity=lambda *a: 0, getoption=lambda *a, **k: 0, getini=lambda *a: ""
+        )
+
+        def lines(op: str, left: object, right: object) -> Any:
+            compare: Any = util.assertrepr_compare  # the pytest < 9 signature
+            return compare(config, op, left, right)
+
+    def explain(op: str, left: object, right: object) -> str | None:
+        try:
+            found = [line.replace("\n", "\\n") for line in lines(op, left, right) or ()]
+        except Exception:
+            return None
+        return "\n~".join(found).replace("%", "%%") if found else None
+
+    util._reprcompare = explain

@@ -1,0 +1,1 @@
+"""Shared test settings: the plugin under test is loaded by pyproject's addopts (-p harness)."""

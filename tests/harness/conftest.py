@@ -1,0 +1,62 @@
+"""Helpers for testing the plugin as a plugin: inner pytest runs over generated test files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_until(condition: object, timeout: float, what: str) -> None:
+    """Poll `condition()` until true; fail after `timeout` seconds saying what never happened."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_pids(directory: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(directory.glob("pid-*")) if p.read_text().strip()]
+
+
+def assert_all_gone(pids: Iterable[int], timeout: float = 10.0) -> None:
+    pids = list(pids)
+    assert pids, "no pids were recorded"
+    wait_until(lambda: not any(alive(p) for p in pids), timeout, f"processes {pids} to exit")
+
+
+def kill_quietly(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A pytester whose runs load the harness and never wait on a test for long."""
+    pytester.makeini("[pytest]\nrank_timeout = 30\n")
+    return pytester
+
+
+# In-process pytester runs restore sys.modules afterwards; import what the inner runs load
+# (torch, the ranks' entry point) here once, so it is never unloaded between runs.
+import torch.distributed  # noqa: E402,F401
+
+import harness.pool  # noqa: E402
+import harness.worker  # noqa: E402,F401

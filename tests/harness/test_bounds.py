@@ -1,0 +1,210 @@
+"""Bounded always: hangs, timeouts from every source, Ctrl-C, and no orphan processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.conftest import alive, assert_all_gone, kill_quietly, read_pids, wait_until
+
+HANGS_ON_RANK1 = """
+import os, time, pytest, torch.distributed as dist
+
+@pytest.mark.ranks{marker_args}
+def test_hang(rank):
+    with open(f"pid-{{rank}}", "w") as f:  # the ranks run in the pytest process's cwd
+        f.write(str(os.getpid()))
+    if rank == 1:
+        while True:
+            time.sleep(0.05)
+    dist.barrier()
+
+@pytest.mark.ranks
+def test_after(rank):
+    dist.barrier()
+"""
+
+
+def test_a_hang_is_reported_with_stacks_and_the_session_goes_on(inner: pytest.Pytester) -> None:
+    inner.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=2)"))
+    result = inner.runpytest("-p", "harness", "-v")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_hang FAILED*",
+            "*test_after PASSED*",
+            "rank 1 failed: hung outside any collective; rank 0 collateral*",
+            "*rank 1 (pid *): hung outside any collective [[]root cause[]]*",
+            "still running at the 2 s timeout; killed",
+            "-- Python stacks at the deadline --",
+            '*File "*test_a_hang_is_reported*.py", line * in test_hang',
+            "*rank 0 (pid *): hung in barrier [[]collateral[]]*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*harness/worker.py*")
+    assert_all_gone(read_pids(inner.path))
+
+
+@pytest.mark.parametrize(
+    ("ini", "args", "marks"),
+    [
+        ("", ["--rank-timeout", "2"], ""),
+        ("rank_timeout = 2", [], ""),
+        ("", ["--rank-timeout", "100"], "@pytest.mark.timeout(2)"),
+        ("timeout = 2", [], ""),
+        ("", ["--timeout", "2"], ""),
+    ],
+    ids=["option", "ini", "timeout-marker", "timeout-ini", "timeout-option"],
+)
+def test_every_timeout_source_bounds_the_ranks_with_one_timer(
+    pytester: pytest.Pytester, ini: str, args: list[str], marks: str
+) -> None:
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    source = HANGS_ON_RANK1.format(marker_args="").replace(
+        "@pytest.mark.ranks\ndef test_hang", f"{marks}\n@pytest.mark.ranks\ndef test_hang"
+    )
+    pytester.makepyfile(source)
+    result = pytester.runpytest_subprocess("-p", "harness", *args, timeout=60)
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["still running at the 2 s timeout; killed"])
+    # pytest-timeout's own timer never fired: its report would say "Timeout".
+    result.stdout.no_fnmatch_line("*+++ Timeout +++*")
+
+
+def test_bad_option_values_name_their_source(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("-p", "harness", "--rank-timeout", "soon")
+    result.stderr.fnmatch_lines(["*invalid timeout 'soon' from --rank-timeout*seconds > 0*"])
+    pytester.makeini("[pytest]\nrank_start_method = teleport\n")
+    result = pytester.runpytest("-p", "harness")
+    result.stderr.fnmatch_lines(
+        ["*invalid ini option 'rank_start_method' 'teleport': choose one of forkserver, spawn, *"]
+    )
+
+
+def test_ini_options_set_the_world(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nranks = 3\nrank_backend = gloo\nrank_start_method = forkserver\n")
+    pytester.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.ranks
+        def test_three(world_size):
+            assert world_size == 3 == dist.get_world_size()
+        """
+    )
+    pytester.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_ctrl_c_leaves_no_rank_behind(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=120)"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "harness", "-x", str(pytester.path)],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: len(read_pids(pytester.path)) == 2, 60, "both ranks to start")
+        pids = read_pids(pytester.path)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert b"KeyboardInterrupt" in out, out.decode()[-2000:]
+        assert_all_gone(pids)
+    finally:
+        proc.kill()
+        kill_quietly(read_pids(pytester.path))
+
+
+def test_a_killed_pytest_takes_its_ranks_with_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=120)"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        cwd=pytester.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: len(read_pids(pytester.path)) == 2, 60, "both ranks to start")
+        pids = read_pids(pytester.path)
+        proc.kill()  # no cleanup code runs: only PDEATHSIG can end the ranks
+        proc.wait(timeout=30)
+        assert_all_gone(pids)
+    finally:
+        kill_quietly(read_pids(pytester.path))
+
+
+def test_a_finished_session_leaves_no_process(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.ranks(2, 4)
+        def test_pid(rank, world_size):
+            with open(f"pid-{world_size}-{rank}", "w") as f:
+                f.write(str(os.getpid()))
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness")
+    result.assert_outcomes(passed=2)
+    pids = read_pids(pytester.path)
+    assert len(pids) == 6
+    assert not [p for p in pids if alive(p)]
+
+
+def test_xdist_workers_each_own_their_pools(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(2, 3)
+        @pytest.mark.parametrize("i", range(4))
+        def test_sum(i, world_size):
+            t = torch.tensor([float(i)])
+            dist.all_reduce(t)
+            assert t.item() == i * world_size
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "-n", "2")
+    result.assert_outcomes(passed=8)
+
+
+def test_markers_are_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("-p", "harness", "--markers")
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.ranks(*sizes, timeout=None, launch=False*", "@pytest.mark.gpu*"]
+    )
+
+
+def test_nccl_without_gpus_is_skipped_with_the_reason(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2, backend="nccl")
+        def test_gpu(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 2 CUDA GPU(s), this machine has 0*"])
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_other_start_methods(pytester: pytest.Pytester, method: str) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks
+        def test_sum(world_size):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == world_size
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "--rank-start-method", method)
+    result.assert_outcomes(passed=1)

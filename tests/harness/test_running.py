@@ -1,0 +1,241 @@
+"""Running a marked test on ranks: fixtures, parametrised sizes, sending fixtures, launch mode."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_body_runs_on_every_rank_with_a_live_group(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks
+        def test_sum(rank, world_size, device, shared_tmp_path):
+            assert dist.is_initialized() and dist.get_backend() == "gloo"
+            assert (dist.get_rank(), dist.get_world_size()) == (rank, world_size)
+            assert device == torch.device("cpu")
+            (shared_tmp_path / f"rank{rank}").write_text("here")
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t)
+            assert t.item() == sum(range(world_size))
+            dist.barrier()
+            assert sorted(p.name for p in shared_tmp_path.iterdir()) == [
+                f"rank{r}" for r in range(world_size)
+            ]
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--ranks", "3")
+    result.assert_outcomes(passed=1)
+
+
+def test_sizes_parametrise_with_real_ids(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.ranks(2, 4)
+        def test_world(world_size):
+            assert dist.get_world_size() == world_size
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.stdout.fnmatch_lines(
+        ["*test_world[[]ranks=2[]] PASSED*", "*test_world[[]ranks=4[]] PASSED*"]
+    )
+    # The ids select like any other: by node id, or with -k.
+    result = inner.runpytest(
+        "-p", "harness", "test_sizes_parametrise_with_real_ids.py::test_world[ranks=4]"
+    )
+    result.assert_outcomes(passed=1)
+    result = inner.runpytest("-p", "harness", "-k", "world and 2")
+    result.assert_outcomes(passed=1, deselected=1)
+
+
+def test_a_bad_size_is_a_collection_error_naming_the_marker(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(0)
+        def test_x():
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.stdout.fnmatch_lines(["*invalid world size 0 from @pytest.mark.ranks on*test_x*"])
+    assert result.ret != 0
+
+
+def test_each_test_gets_a_fresh_group_on_warm_workers(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks
+        @pytest.mark.parametrize("i", range(6))
+        def test_many(i, rank):
+            t = torch.tensor([float(i)])
+            dist.all_reduce(t)
+            assert t.item() == 2 * i
+            with open(f"pid-{i}-{rank}", "w") as f:  # ranks run in pytest's cwd
+                f.write(str(os.getpid()))
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=6)
+    pids = {p.read_text() for p in inner.path.glob("pid-*")}
+    assert len(pids) == 2, f"the 6 tests should share 2 warm ranks, saw pids {pids}"
+
+
+def test_fixtures_are_resolved_here_and_sent(inner: pytest.Pytester) -> None:
+    inner.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture
+        def settings():
+            return {"lr": 0.5, "steps": [1, 2]}
+        """
+    )
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks
+        @pytest.mark.parametrize("scale", [3])
+        def test_settings(settings, scale, rank):
+            assert settings == {"lr": 0.5, "steps": [1, 2]}
+            assert scale == 3
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_a_fixture_that_cannot_be_sent_fails_naming_it(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import threading, pytest
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ranks
+        def test_lock(lock):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fixture 'lock' of *test_lock cannot be sent to the ranks*"])
+
+
+def test_rank_fixtures_outside_a_rank_test_say_what_to_do(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        def test_plain(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.stdout.fnmatch_lines(["*fixture 'rank' exists only in a test marked*ranks*"])
+
+
+def test_class_based_tests_run_on_ranks(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.ranks
+        class TestGroup:
+            def test_rank(self, rank):
+                assert dist.get_rank() == rank
+
+            def test_size(self, world_size):
+                assert dist.get_world_size() == world_size
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_launch_mode_gives_torchruns_environment_and_no_group(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(4, launch=True)
+        @pytest.mark.parametrize("attempt", [1, 2])
+        def test_launch(rank, attempt):
+            assert not dist.is_initialized()
+            env = os.environ
+            assert (env["WORLD_SIZE"], env["RANK"]) == ("4", str(rank))
+            assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(rank), "4")
+            assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 4
+            dist.destroy_process_group()
+
+        @pytest.mark.ranks(4)
+        def test_after_launch_env_is_gone(rank):
+            assert "MASTER_PORT" not in os.environ and "RANK" not in os.environ
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=3)
+
+
+def test_run_on_ranks_returns_every_ranks_outcome(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, signal, sys, time
+        import torch.distributed as dist
+        from harness import Ending
+
+        def work(kind):
+            r = dist.get_rank()
+            if r == 1 and kind == "raise":
+                raise ValueError("bad batch")
+            if r == 1 and kind == "exit":
+                sys.exit(4)
+            if r == 1 and kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if r == 1 and kind == "hang":
+                while True:
+                    time.sleep(0.05)
+            return r * 10
+
+        def test_values(run_on_ranks):
+            assert run_on_ranks(work, "ok", world_size=3).values == [0, 10, 20]
+
+        def test_raise(run_on_ranks):
+            out = run_on_ranks(work, "raise", world_size=3)
+            assert out.endings == [Ending.RETURNED, Ending.RAISED, Ending.RETURNED]
+            assert out[1].exc_name == "ValueError" and out[1].message == "bad batch"
+            assert "ValueError" in out[1].exc_mro and "Exception" in out[1].exc_mro
+
+        def test_exit(run_on_ranks):
+            out = run_on_ranks(work, "exit")
+            assert out[1].ending is Ending.EXITED and out[1].exit_code == 4
+
+        def test_kill(run_on_ranks):
+            out = run_on_ranks(work, kind="kill")
+            assert out[1].ending is Ending.SIGNALLED and out[1].signal == signal.SIGKILL
+
+        def test_hang(run_on_ranks):
+            out = run_on_ranks(work, "hang", timeout=2)
+            assert out[1].ending is Ending.HUNG
+            assert "in work" in out[1].stack
+            assert out[0].ending is Ending.RETURNED
+
+        def test_lambda_is_refused(run_on_ranks):
+            try:
+                run_on_ranks(lambda: 1)
+            except ValueError as exc:
+                assert "module-level function" in str(exc)
+            else:
+                raise AssertionError("a lambda was accepted")
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=6)

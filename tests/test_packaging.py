@@ -1,0 +1,68 @@
+"""The distribution's promises: cheap plugin import, one registration, opt-out works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+RANK_TEST = """
+import pytest, torch.distributed as dist
+
+@pytest.mark.ranks
+def test_two(world_size):
+    assert dist.get_world_size() == world_size == 2
+"""
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_importing_harness_does_not_import_torch() -> None:
+    result = _python("import harness, sys; print('torch' in sys.modules)")
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_importing_rankwise_imports_torch_and_nothing_of_the_harness() -> None:
+    result = _python(
+        "import rankwise, sys; print(sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('harness', 'pytest', '_pytest', 'transformers')))"
+    )
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize("autoload", ["1", ""], ids=["autoload-off", "autoload-on"])
+def test_dash_p_harness_registers_the_plugin_once(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, autoload: str
+) -> None:
+    if autoload:
+        monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", autoload)
+    else:
+        monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    pytester.makepyfile(RANK_TEST)
+    # A second registration would fail on the duplicate --ranks option.
+    result = pytester.runpytest_subprocess("-p", "harness", "--ranks", "2")
+    result.assert_outcomes(passed=1)
+    help_text = pytester.runpytest_subprocess("-p", "harness", "--help")
+    help_text.stdout.fnmatch_lines(["*--ranks=N*", "*--rank-timeout=S*"])
+
+
+def test_no_harness_opts_out(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_plain():\n    assert True\n")
+    result = pytester.runpytest_subprocess("-p", "no:harness")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "no:harness", "--ranks", "2")
+    result.stderr.fnmatch_lines(["*unrecognized arguments: --ranks*"])
+
+
+def test_the_entry_point_is_declared() -> None:
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="pytest11")}
+    assert names.get("harness") == "harness"
+    assert os.path.exists(os.path.join(os.path.dirname(__import__("harness").__file__), "py.typed"))
