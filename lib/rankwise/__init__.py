@@ -1,5 +1,42 @@
-"""rankwise: torch.distributed utilities that never leave a rank waiting."""
+"""rankwise: torch.distributed utilities that never leave a rank waiting.
+
+The public API is exactly the names below; everything else lives in private modules.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+__all__ = [
+    "DistributedProcessGroup",
+    "DistributedState",
+    "ParallelState",
+    "all_reduce",
+    "backend",
+    "barrier",
+    "broadcast_from",
+    "distributed_run",
+    "gather_bytes",
+    "gather_state_dicts",
+    "is_available",
+    "is_distributed_launch",
+    "is_distributed_run",
+    "is_initialized",
+    "is_master",
+    "rank",
+    "size",
+]
+
+from rankwise._collectives import all_reduce, broadcast_from
+from rankwise._gather import gather_bytes, gather_state_dicts
+from rankwise._groups import DistributedProcessGroup, ParallelState
+from rankwise._launch import (
+    backend,
+    barrier,
+    is_available,
+    is_distributed_launch,
+    is_distributed_run,
+    is_initialized,
+    is_master,
+    rank,
+    size,
+)
+from rankwise._run import DistributedState, distributed_run

@@ -1,0 +1,167 @@
+"""A run's process group, owned for a block: set up, yielded as state, torn down or aborted."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from rankwise import _points
+from rankwise._launch import (
+    is_initialized,
+    launch_rank,
+    launch_world_size,
+    rank,
+    size,
+)
+
+# The exit status of a rank that leaves through abort(): distinct from a crash (a signal) and
+# from an ordinary failure (1), so launchers' logs and the harness can tell it apart.
+ABORT_EXIT_CODE = 70
+
+
+@dataclass(frozen=True)
+class DistributedState:
+    """Where this process stands in its run: rank, size of the run, and its compute device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the rank that writes the run's outputs."""
+        return self.rank == 0
+
+
+@contextlib.contextmanager
+def distributed_run(
+    timeout: timedelta | None = None, device: torch.device | str = "cuda"
+) -> Iterator[DistributedState]:
+    """Own this run's process group for the block and yield this process's state.
+
+    On a distributed launch (WORLD_SIZE > 1): bind this rank's CUDA device (LOCAL_RANK) and,
+    unless the caller already set a group up, set up an NCCL group with `timeout`; any device
+    but CUDA is refused. Without a launch nothing is set up and the state is on `device`.
+    Rank and size always come from the live group. On exit the group this run set up (or the
+    body set up) is destroyed; a group that existed before is the caller's and is left alone.
+    If the body raises in a run of several ranks on a group the run owns, the rank leaves
+    through `abort()` instead: destroying the group would wait on peers stuck elsewhere. A
+    `SystemExit` is not an error and tears down normally (every rank must exit together).
+    """
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"distributed_run: timeout must be a datetime.timedelta or None; got {timeout!r}"
+        )
+    requested = _parse_device(device)
+    callers_group = is_initialized()
+    state_device = _prepare_launch(requested, timeout) if _is_launch() else requested
+    if state_device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"distributed_run: device {str(device)!r} asks for CUDA, but CUDA is not available "
+            f"here (torch.cuda.is_available() is False); pass device='cpu' or run on a GPU machine"
+        )
+    if callers_group and timeout is not None and size() > 1:
+        warnings.warn(
+            f"distributed_run: timeout={timeout} is ignored: the caller set the process group "
+            f"up ({size()} ranks) before the run, and a group's timeout is fixed when it is "
+            f"created; pass the timeout to init_process_group instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    state = DistributedState(rank=rank(), world_size=size(), device=state_device)
+    try:
+        _points.passed("distributed_run", "enter")  # a fault injected here acts as the body's
+        yield state
+        _points.passed("distributed_run", "exit")
+    except SystemExit:
+        _teardown(callers_group)
+        raise
+    except BaseException:
+        if not callers_group and is_initialized() and size() > 1:
+            abort()
+        _teardown(callers_group)
+        raise
+    _teardown(callers_group)
+
+
+def _is_launch() -> bool:
+    return launch_world_size() > 1
+
+
+def _parse_device(device: torch.device | str) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"distributed_run: device must be a torch.device or a string such as 'cuda' or "
+            f"'cpu'; got {type(device).__name__}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"distributed_run: unknown device {device!r} ({exc}); use 'cuda', 'cuda:N' or 'cpu'"
+        ) from None
+
+
+def _prepare_launch(requested: torch.device, timeout: timedelta | None) -> torch.device:
+    """Bind this rank's GPU and set the launch's NCCL group up unless the caller did."""
+    world = launch_world_size()
+    if requested.type != "cuda":
+        raise ValueError(
+            f"distributed_run: this process was launched as one of {world} ranks "
+            f"(WORLD_SIZE={world}), which compute on CUDA, one GPU each; device "
+            f"{str(requested)!r} is refused. Leave device at 'cuda', or run without a launcher "
+            f"for a single CPU process"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"distributed_run: launched as one of {world} ranks, but CUDA is not available on "
+            f"this machine (torch.cuda.is_available() is False); run on a machine with GPUs"
+        )
+    local = launch_rank("LOCAL_RANK")
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise RuntimeError(
+            f"distributed_run: LOCAL_RANK={local} but this machine has {count} GPU(s); launch "
+            f"at most {count} ranks per node"
+        )
+    cuda = torch.device("cuda", local)
+    torch.cuda.set_device(cuda)
+    if not is_initialized():
+        dist.init_process_group(backend="nccl", device_id=cuda, timeout=timeout)
+    return cuda
+
+
+def _teardown(callers_group: bool) -> None:
+    if not callers_group and is_initialized():
+        dist.destroy_process_group()
+
+
+def abort() -> NoReturn:
+    """Leave the run now: print the error being handled, then end the process.
+
+    Used instead of tearing a group down when peers may be blocked in a collective this rank
+    never reaches: the launcher (torchrun) sees the exit status and tears the whole job down.
+    """
+    description = f"rank {rank()} of {size()}"
+    print(
+        f"rankwise: {description} aborting the run (exit status {ABORT_EXIT_CODE}):",
+        file=sys.stderr,
+    )
+    if sys.exc_info()[0] is not None:
+        traceback.print_exc(file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(ABORT_EXIT_CODE)

@@ -1,0 +1,73 @@
+"""Moving bytes between ranks as uint8 tensors, on the device the group's backend needs.
+
+No pickle anywhere: only tensors of bytes cross the wire. gloo moves CPU tensors; NCCL needs
+them on this rank's current CUDA device, and they come back to host memory afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def exchange_device(group: Any = None) -> torch.device:
+    """Where the group's collectives need their tensors."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_tensor(data: bytes | bytearray | memoryview, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor holding `data` (one host copy), on `device`."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def copy_out(tensor: torch.Tensor, length: int, target: bytearray, offset: int = 0) -> None:
+    """Copy the first `length` bytes of a uint8 tensor into `target` at `offset`."""
+    if length <= 0:
+        return
+    host = tensor[:length].contiguous().cpu()
+    window = (ctypes.c_char * length).from_buffer(target, offset)
+    ctypes.memmove(window, host.data_ptr(), length)
+
+
+def to_bytes(tensor: torch.Tensor, length: int) -> bytes:
+    out = bytearray(length)
+    copy_out(tensor, length, out)
+    return bytes(out)
+
+
+def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
+    """Every rank's `data`, in group order, on every rank (lengths may differ)."""
+    device = exchange_device(group)
+    count = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(count)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(t.item()) for t in lengths]
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = to_tensor(data, device)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(count)]
+    dist.all_gather(gathered, mine, group=group)
+    return [to_bytes(t, n) for t, n in zip(gathered, sizes, strict=False)]
+
+
+def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
+    """`data` from global rank `src` on every rank (pass None on the others)."""
+    device = exchange_device(group)
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src, group=group)
+    size = int(length.item())
+    if data is not None:
+        buffer = to_tensor(data, device)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    if size:
+        dist.broadcast(buffer, src, group=group)
+    return data if data is not None else to_bytes(buffer, size)
