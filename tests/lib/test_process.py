@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
-
 import rankwise as rw
+import torch.distributed as dist
 
 
 def test_a_single_process_is_rank_0_of_1() -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rankwise as rw
 import torch
 import torch.distributed as dist
-
-import rankwise as rw
-from harness import Ending
 from rankwise._run import ABORT_EXIT_CODE
+
+from harness import Ending
 
 
 @contextlib.contextmanager
@@ -41,22 +41,23 @@ def test_a_single_process_sets_nothing_up() -> None:
 def test_cuda_on_a_machine_without_it_is_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(RuntimeError, match="CUDA is not available.*pass device='cpu'"):
-        with rw.distributed_run():
-            pass
+    with (
+        pytest.raises(RuntimeError, match=r"CUDA is not available.*pass device='cpu'"),
+        rw.distributed_run(),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(("device", "error"), [("tpu9", ValueError), (3.5, TypeError)])
 def test_a_bad_device_is_a_clear_error(device: Any, error: type) -> None:
-    with pytest.raises(error, match="device"):
-        with rw.distributed_run(device=device):
-            pass
+    with pytest.raises(error, match="device"), rw.distributed_run(device=device):
+        pass
 
 
 def test_a_bad_timeout_is_a_clear_error() -> None:
-    with pytest.raises(TypeError, match="timedelta"):
-        with rw.distributed_run(timeout=30, device="cpu"):  # type: ignore[arg-type]
-            pass
+    bad: Any = 30
+    with pytest.raises(TypeError, match="timedelta"), rw.distributed_run(timeout=bad, device="cpu"):
+        pass
 
 
 def _one_rank_group(path: Path) -> None:
@@ -71,18 +72,16 @@ def test_a_group_the_body_sets_up_is_destroyed(tmp_path: Path) -> None:
 
 
 def test_a_one_rank_group_the_body_set_up_is_destroyed_when_it_raises(tmp_path: Path) -> None:
-    with pytest.raises(KeyError, match="oops"):
-        with rw.distributed_run(device="cpu"):
-            _one_rank_group(tmp_path / "store")
-            raise KeyError("oops")
+    with pytest.raises(KeyError, match="oops"), rw.distributed_run(device="cpu"):
+        _one_rank_group(tmp_path / "store")
+        raise KeyError("oops")
     assert not dist.is_initialized()
 
 
 def test_malformed_world_size_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "many")
-    with pytest.raises(ValueError, match="WORLD_SIZE='many'"):
-        with rw.distributed_run(device="cpu"):
-            pass
+    with pytest.raises(ValueError, match="WORLD_SIZE='many'"), rw.distributed_run(device="cpu"):
+        pass
 
 
 # ---- a caller's group -----------------------------------------------------------------------
@@ -99,9 +98,12 @@ def test_a_callers_group_is_used_and_left_alone(rank: int) -> None:
 
 @pytest.mark.ranks(4)
 def test_a_timeout_for_a_callers_group_of_several_warns(rank: int) -> None:
-    with pytest.warns(RuntimeWarning, match="timeout=0:00:05 is ignored.*4 ranks"):
-        with rw.distributed_run(timeout=timedelta(seconds=5), device="cpu"):
-            pass
+    expected = r"timeout=0:00:05 is ignored.*4 ranks"
+    with (
+        pytest.warns(RuntimeWarning, match=expected),
+        rw.distributed_run(timeout=timedelta(seconds=5), device="cpu"),
+    ):
+        pass
 
 
 def _run_with_timeout_in_callers_group() -> tuple[int, int, bool]:
