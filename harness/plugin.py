@@ -25,7 +25,9 @@ DEFAULT_TIMEOUT_S = 60.0
 START_METHODS = ("forkserver", "spawn", "fork")
 BACKENDS = ("gloo", "nccl")
 WORLD_PARAM = "_harness_world_size"
-RANK_SIDE = ("rank", "device")  # known only inside a rank: filled in there
+# Fixtures each rank makes for itself: only a rank knows them, or (monkeypatch) their undo
+# must run in the rank. The pytest process sends a placeholder.
+RANK_SIDE = ("rank", "device", "monkeypatch")
 
 _pools_key = pytest.StashKey["Pools"]()
 _spec_key = pytest.StashKey["RankSpec"]()
@@ -310,7 +312,7 @@ def _sendable_funcargs(item: pytest.Function) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for name in item._fixtureinfo.argnames:
         value = item.funcargs[name]
-        if isinstance(value, _OnlyInRanks):
+        if name in RANK_SIDE:
             kwargs[name] = None  # the rank fills it in
             continue
         try:

@@ -14,11 +14,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -76,7 +77,8 @@ class _Slot:
             args=(child, str(self.capture), str(self.stacks), str(self.where)),
             name=f"harness-rank{rank}",
         )
-        self.process.start()
+        with _main_module_hidden():
+            self.process.start()
         child.close()
         self.pid: int = self.process.pid
 
@@ -95,6 +97,25 @@ class _Slot:
         with contextlib.suppress(OSError):
             return self.where.read_bytes().split(b"\0", 1)[0].decode(errors="replace")
         return ""
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a rank without multiprocessing re-running the parent's __main__ in it.
+
+    forkserver and spawn children import the parent's main script (as __mp_main__); a
+    pytest driven from a script, or from stdin, would run that script once per rank, or
+    fail. A rank needs nothing from it: it finds every target by module name.
+    """
+    main = sys.modules["__main__"]
+    names = ("__file__", "__spec__")
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in names if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # multiprocessing reads it unguarded
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def tail(path: Path) -> str:
@@ -350,6 +371,7 @@ class Pools:
             pool.close()
         self._pools.clear()
         self._store = None
+        shutil.rmtree(self._workdir, ignore_errors=True)
 
 
 def pickle_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:

@@ -39,6 +39,9 @@ from harness.outcome import Ending, RankOutcome
 from harness.protocol import Kind, Message, Ready, RunTask
 
 _PR_SET_PDEATHSIG = 1
+# The group's own timeout stays well past the harness's deadline, so a hang is always caught
+# and reported by the harness (stacks, the collective) before gloo unwinds it.
+GROUP_TIMEOUT_MARGIN_S = 120.0
 _WHERE_SIZE = 512
 _LAUNCH_VARS = (
     "WORLD_SIZE",
@@ -185,7 +188,7 @@ def _enter_test_context(task: RunTask) -> None:
         store=store,
         rank=task.rank,
         world_size=task.world_size,
-        timeout=timedelta(seconds=task.timeout_s),
+        timeout=timedelta(seconds=task.timeout_s + GROUP_TIMEOUT_MARGIN_S),
         **kwargs,
     )
 
@@ -202,7 +205,7 @@ def _client_store(task: RunTask) -> Any:
             task.store_port,
             is_master=False,
             wait_for_workers=False,
-            timeout=timedelta(seconds=max(task.timeout_s, 1.0)),
+            timeout=timedelta(seconds=task.timeout_s + GROUP_TIMEOUT_MARGIN_S),
         )
     return _stores[key]
 
@@ -240,14 +243,24 @@ def _run_target(task: RunTask) -> RankOutcome:
     try:
         value = fn(*args, **kwargs)
     except SystemExit as exc:
+        _undo(kwargs)
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return _ended(task, Ending.EXITED, exit_code=_exit_code(exc))
     except BaseException as exc:
+        _undo(kwargs)
         _teardown_group()
         if type(exc).__name__ == "Skipped":
             return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
         return _raised(task, exc)
+    _undo(kwargs)
     return _returned(task, value)
+
+
+def _undo(kwargs: dict[str, Any]) -> None:
+    """Undo the rank's monkeypatch now: the worker outlives the test."""
+    patcher = kwargs.get("monkeypatch")
+    if patcher is not None:
+        patcher.undo()
 
 
 def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -256,8 +269,15 @@ def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
         "rank": lambda: task.rank,
         "world_size": lambda: task.world_size,
         "device": lambda: torch.device(task.device),
+        "monkeypatch": _new_monkeypatch,
     }
     return {name: make() for name, make in known.items() if name in kwargs}
+
+
+def _new_monkeypatch() -> Any:
+    import pytest
+
+    return pytest.MonkeyPatch()
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -239,3 +239,49 @@ def test_run_on_ranks_returns_every_ranks_outcome(inner: pytest.Pytester) -> Non
         """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=6)
+
+
+def test_monkeypatch_is_made_and_undone_in_each_rank(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.ranks
+        def test_patch(monkeypatch, rank):
+            monkeypatch.setattr(os, "sep", "!")
+            monkeypatch.setenv("PATCHED", str(rank))
+            assert os.sep == "!"
+
+        @pytest.mark.ranks
+        def test_after(rank):
+            assert os.sep == "/" and "PATCHED" not in os.environ
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_pytest_driven_from_stdin_starts_ranks(pytester: pytest.Pytester) -> None:
+    import subprocess
+    import sys
+
+    pytester.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.ranks
+        def test_two(world_size):
+            assert dist.get_world_size() == world_size
+        """
+    )
+    script = "import pytest, sys\nsys.exit(pytest.main(['-p', 'harness', '-q']))\n"
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        text=True,
+        capture_output=True,
+        cwd=pytester.path,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

@@ -1,0 +1,262 @@
+"""all_reduce and broadcast_from: values, copies, and every failure combination of the spec.
+
+Failure cases run through `run_on_ranks` with a short timeout and declare every rank's end:
+a rank still waiting would come back HUNG, so each also proves nobody was left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import pytest
+import rankwise as rw
+import torch
+import torch.distributed as dist
+
+from harness import Ending
+
+R, E, X = Ending.RETURNED, Ending.RAISED, Ending.EXITED
+BOUND_S = 20  # far above the milliseconds these take; a waiting rank would come back HUNG
+
+
+class Opaque:
+    """Not registered with add_safe_globals: cannot load with weights_only."""
+
+
+# ---- values ----------------------------------------------------------------------------------
+
+
+@pytest.mark.ranks(4)
+def test_all_reduce_combines_every_ranks_value_in_rank_order(rank: int) -> None:
+    assert rw.all_reduce("order", lambda: rank, lambda xs: xs) == [0, 1, 2, 3]
+    assert rw.all_reduce("min", lambda: 10 + rank, min) == 10
+    maxima = rw.all_reduce(
+        "amax", lambda: torch.tensor([rank, 3 - rank]), lambda ts: torch.stack(ts).amax(0)
+    )
+    assert maxima.tolist() == [3, 3]
+
+
+_SENT = torch.arange(3.0)
+
+
+@pytest.mark.ranks(4)
+def test_combine_gets_cpu_copies_not_the_objects_sent(rank: int) -> None:
+    seen = rw.all_reduce("copies", lambda: {"t": _SENT, "n": [rank]}, lambda xs: xs)
+    assert all(x["t"] is not _SENT and x["t"].device.type == "cpu" for x in seen)
+    assert [x["n"] for x in seen] == [[0], [1], [2], [3]]
+    got = rw.broadcast_from("copy", lambda: _SENT, src=1)
+    assert got is not _SENT and torch.equal(got, _SENT)  # src too gets a copy
+
+
+@pytest.mark.ranks(4)
+def test_broadcast_from_runs_fn_on_src_only(rank: int, shared_tmp_path: Any) -> None:
+    def read_setting() -> dict[str, Any]:
+        (shared_tmp_path / f"ran-on-{rank}").touch()
+        return {"lr": 0.1, "from": rank}
+
+    assert rw.broadcast_from("setting", read_setting, src=2) == {"lr": 0.1, "from": 2}
+    rw.barrier()
+    assert [p.name for p in shared_tmp_path.iterdir()] == ["ran-on-2"]
+
+
+def test_a_single_process_gets_the_values_as_they_are() -> None:
+    value = {"t": _SENT}
+    assert rw.all_reduce("one", lambda: value, lambda xs: xs)[0] is value
+    assert rw.broadcast_from("one", lambda: value) is value
+    opaque = Opaque()  # no wire format in a single process: nothing travels
+    assert rw.all_reduce("opaque", lambda: opaque, lambda xs: xs[0]) is opaque
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(TypeError, match="label must be a str"):
+        rw.all_reduce(3, lambda: 1, sum)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"src=1 is not a rank of this run of 1"):
+        rw.broadcast_from("x", lambda: 1, src=1)
+    with pytest.raises(TypeError, match="src must be an int"):
+        rw.broadcast_from("x", lambda: 1, src="0")  # type: ignore[arg-type]
+
+
+# ---- all_reduce failures -------------------------------------------------------------------------
+
+
+def _all_reduce_where(plan: dict[int, str]) -> int:
+    """Each rank does what `plan` says in fn: raise, exit, opaque value, other label, or return."""
+    me = dist.get_rank()
+    action = plan.get(me, "ok")
+    label = "other" if action == "label" else "step"
+
+    def fn() -> Any:
+        if action.startswith("raise"):
+            raise ValueError(f"bad batch on rank {me}")
+        if action.startswith("exit"):
+            sys.exit(int(action[4:]))
+        if action == "opaque":
+            return Opaque()
+        return me
+
+    return rw.all_reduce(label, fn, sum)
+
+
+def _run(run_on_ranks: Any, fn: Any, plan: dict[int, str]) -> Any:
+    return run_on_ranks(fn, plan, world_size=4, timeout=BOUND_S)
+
+
+def test_one_rank_raises(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {2: "raise"})
+    assert out.endings == [E, E, E, E]
+    assert (out[2].exc_name, out[2].message) == ("ValueError", "bad batch on rank 2")
+    for r in (0, 1, 3):
+        assert (out[r].exc_name, out[r].message) == (
+            "RuntimeError",
+            "all_reduce('step'): rank 2 raised ValueError: bad batch on rank 2",
+        )
+
+
+def test_two_ranks_raise_different_errors(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {1: "raise", 3: "raise"})
+    assert out.endings == [E, E, E, E]
+    assert [out[r].message for r in (1, 3)] == ["bad batch on rank 1", "bad batch on rank 3"]
+    assert (
+        out[0].message
+        == out[2].message
+        == ("all_reduce('step'): rank 1 raised ValueError: bad batch on rank 1")
+    )
+
+
+def test_one_rank_exits(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {1: "exit3"})
+    assert out.endings == [X, X, X, X]
+    assert [o.exit_code for o in out] == [3, 3, 3, 3]
+
+
+def test_two_ranks_exit_with_different_codes(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {1: "exit3", 2: "exit5"})
+    assert out.endings == [X, X, X, X]
+    assert [o.exit_code for o in out] == [3, 3, 5, 3]  # own code, else the first one's
+
+
+def test_an_error_and_an_exit_together(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {1: "exit3", 2: "raise"})
+    assert out.endings == [E, E, E, E]
+    assert out[2].exc_name == "ValueError"
+    for r in (0, 1, 3):
+        assert out[r].message == "all_reduce('step'): rank 2 raised ValueError: bad batch on rank 2"
+
+
+def test_a_value_that_does_not_round_trip_fails_on_its_rank(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {0: "opaque"})
+    assert out.endings == [E, E, E, E]
+    assert out[0].exc_name == "WireError" and "TypeError" in out[0].exc_mro
+    assert "torch.serialization.add_safe_globals([YourClass])" in out[0].message
+    assert out[3].message.startswith("all_reduce('step'): rank 0 raised WireError:")
+
+
+def test_labels_out_of_step_raise_on_every_rank_naming_both(run_on_ranks: Any) -> None:
+    out = _run(run_on_ranks, _all_reduce_where, {3: "label"})
+    assert out.endings == [E, E, E, E]
+    for o in out:
+        assert o.exc_name == "RuntimeError" and "ranks out of step" in o.message
+        assert "rank 0 in all_reduce('step')" in o.message
+        assert "rank 3 in all_reduce('other')" in o.message
+
+
+def _all_reduce_then_collective_in_a_second_call() -> list[int]:
+    """After a failed all_reduce, the same group still works: nobody is left mid-exchange."""
+    me = dist.get_rank()
+    with contextlib.suppress(ZeroDivisionError, RuntimeError):
+        rw.all_reduce("first", lambda: 1 / (me - 1), sum)
+    return rw.all_reduce("second", lambda: me, lambda xs: xs)  # type: ignore[no-any-return]
+
+
+def test_the_group_stays_usable_after_a_failed_call(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_all_reduce_then_collective_in_a_second_call, world_size=4, timeout=BOUND_S)
+    assert out.values == [[0, 1, 2, 3]] * 4
+
+
+# ---- broadcast_from failures ---------------------------------------------------------------------
+
+
+def _broadcast_where(action: str) -> Any:
+    me = dist.get_rank()
+    label = "other" if action == "label" and me == 3 else "setting"
+
+    def fn() -> Any:
+        if action == "raise":
+            raise KeyError("no such setting")
+        if action == "exit":
+            sys.exit(4)
+        if action == "opaque":
+            return Opaque()
+        return {"lr": 0.5}
+
+    return rw.broadcast_from(label, fn, src=1)
+
+
+def test_src_raising_makes_every_rank_raise(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_broadcast_where, "raise", world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    assert out[1].exc_name == "KeyError"
+    for r in (0, 2, 3):
+        assert (
+            out[r].message
+            == "broadcast_from('setting'): src rank 1 raised KeyError: 'no such setting'"
+        )
+
+
+def test_src_exiting_makes_every_rank_exit_with_its_code(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_broadcast_where, "exit", world_size=4, timeout=BOUND_S)
+    assert out.endings == [X, X, X, X] and [o.exit_code for o in out] == [4, 4, 4, 4]
+
+
+def test_src_value_that_does_not_round_trip(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_broadcast_where, "opaque", world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    assert out[1].exc_name == "WireError"
+    assert out[0].message.startswith("broadcast_from('setting'): src rank 1 raised WireError")
+
+
+def test_a_receiver_with_another_label_raises_and_src_returns(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_broadcast_where, "label", world_size=4, timeout=BOUND_S)
+    assert out.endings == [R, R, R, E]
+    assert out[1].value == {"lr": 0.5}
+    assert "ranks out of step: src rank 1 is in broadcast_from('setting')" in out[3].message
+    assert "broadcast_from('other') on rank 3" in out[3].message
+
+
+# ---- launches without a group, and the harness's view of a hang ---------------------------
+
+
+def _collective_without_a_group(which: str) -> Any:
+    if which == "all_reduce":
+        return rw.all_reduce("early", lambda: 1, sum)
+    return rw.broadcast_from("early", lambda: 1)
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "broadcast_from"])
+def test_a_launched_rank_without_a_group_raises(run_on_ranks: Any, which: str) -> None:
+    out = run_on_ranks(
+        _collective_without_a_group, which, world_size=2, launch=True, timeout=BOUND_S
+    )
+    assert out.endings == [E, E]
+    assert f"{which}('early'): this process is one of 2 launched ranks" in out[0].message
+    assert "distributed_run()" in out[0].message
+
+
+def _rank1_never_joins() -> None:
+    if dist.get_rank() == 1:
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    rw.all_reduce("batch_size", lambda: 1, sum)
+
+
+def test_a_hang_names_the_labelled_collective(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_rank1_never_joins, world_size=2, timeout=2)
+    assert out.endings == [Ending.HUNG, Ending.HUNG]
+    assert out[0].where == "all_reduce('batch_size')"
+    assert out[0].describe() == "hung in all_reduce('batch_size')"
+    assert out[1].where == "" and "_rank1_never_joins" in out[1].stack

@@ -1,0 +1,174 @@
+"""gather_bytes and gather_state_dicts: chunking, groups, bad input on one rank, no pickle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rankwise as rw
+import torch
+import torch.distributed as dist
+from rankwise import _gather
+
+from harness import Ending
+
+E = Ending.RAISED
+BOUND_S = 20
+
+
+def _payload(rank: int) -> bytes:
+    return bytes((rank * 7 + i) % 256 for i in range(rank * 11))  # rank 0 sends nothing
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("chunk_bytes", [1, 4, 1 << 20])
+def test_gather_bytes_in_many_chunks_with_differing_lengths(
+    rank: int, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("gather_bytes unpickled something")
+
+    monkeypatch.setattr(pickle, "loads", refuse)  # nothing on the way may unpickle
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    out = rw.gather_bytes(memoryview(_payload(rank)), dst=2, chunk_bytes=chunk_bytes)
+    if rank == 2:
+        assert out == [bytearray(_payload(r)) for r in range(4)]
+        assert all(isinstance(b, bytearray) for b in out)
+    else:
+        assert out is None
+
+
+@pytest.mark.ranks(4)
+def test_gather_bytes_over_a_group_to_a_global_rank(rank: int) -> None:
+    odd = dist.new_group([1, 3])
+    if rank in (1, 3):
+        out = rw.gather_bytes(b"r%d" % rank, dst=3, group=odd, chunk_bytes=1)
+        assert out == ([bytearray(b"r1"), bytearray(b"r3")] if rank == 3 else None)
+    dist.barrier()
+
+
+@pytest.mark.ranks(4)
+def test_all_empty_payloads(rank: int) -> None:
+    assert rw.gather_bytes(b"", dst=0) == ([bytearray()] * 4 if rank == 0 else None)
+
+
+def test_gather_bytes_in_a_single_process() -> None:
+    assert rw.gather_bytes(b"abc", dst=0) == [bytearray(b"abc")]
+    with pytest.raises(
+        ValueError, match=r"dst must be the global rank of a member of the group \(\[0\]\); got 1"
+    ):
+        rw.gather_bytes(b"abc", dst=1)
+    with pytest.raises(TypeError, match="data must be bytes, bytearray or memoryview; got str"):
+        rw.gather_bytes("abc", dst=0)  # type: ignore[arg-type]
+
+
+def _gather_with(bad: str) -> Any:
+    rank = dist.get_rank()
+    data: Any = b"x" * rank
+    dst, chunk = 0, 8
+    if bad == "data" and rank == 2:
+        data = [1, 2, 3]
+    if bad == "chunk":
+        chunk = 0
+    if bad == "dst":
+        dst = 9
+    return rw.gather_bytes(data, dst=dst, chunk_bytes=chunk)
+
+
+def test_data_that_is_not_bytes_on_one_rank_raises_everywhere(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_gather_with, "data", world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    assert out[2].exc_name == "TypeError" and "got list" in out[2].message
+    assert out[0].message.startswith("gather_bytes(dst=0): rank 2 could not contribute: TypeError")
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("chunk", "chunk_bytes must be a positive int; got 0"),
+        ("dst", "dst must be the global rank"),
+    ],
+)
+def test_bad_shared_arguments_raise_on_every_rank_at_once(
+    run_on_ranks: Any, bad: str, message: str
+) -> None:
+    out = run_on_ranks(_gather_with, bad, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    assert all(o.exc_name == "ValueError" and message in o.message for o in out)
+
+
+# ---- gather_state_dicts -----------------------------------------------------------------------
+
+
+@pytest.mark.ranks(4)
+def test_state_dicts_arrive_one_at_a_time_on_dst(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[int] = []
+    real_decode = _gather._wire.decode
+
+    def counting_decode(data: Any) -> Any:
+        decoded.append(1)
+        return real_decode(data)
+
+    monkeypatch.setattr(_gather._wire, "decode", counting_decode)
+    state = {"weight": torch.full((3,), float(rank)), "step": rank}
+    states = rw.gather_state_dicts(state, dst=1)  # the exchange happens here, on every rank
+    after_exchange = len(decoded)  # the sender's own round-trip check is counted here
+    if rank != 1:
+        assert list(states) == []
+        return
+    first = next(states)
+    assert len(decoded) == after_exchange + 1  # only the first rank's dict is decoded so far
+    rest = list(states)
+    assert len(decoded) == after_exchange + 4
+    assert [s["step"] for s in [first, *rest]] == [0, 1, 2, 3]
+    assert all(
+        s["weight"].device.type == "cpu" and s["weight"][0] == s["step"] for s in [first, *rest]
+    )
+
+
+class _Payload:
+    """Runs a command when unpickled: what weights_only must refuse."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _send_a_malicious_state(marker: str) -> Any:
+    rank = dist.get_rank()
+    if rank == 1:  # a tampered sender skips the wire format's own check
+        import io
+
+        buffer = io.BytesIO()
+        torch.save({"evil": _Payload(marker)}, buffer)
+        _gather._wire.encode = lambda value, what: buffer.getvalue()
+    states = rw.gather_state_dicts({"ok": torch.ones(1)}, dst=0)
+    return [sorted(s) for s in states]
+
+
+def test_a_malicious_payload_is_refused_and_never_run(run_on_ranks: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "payload-ran"
+    out = run_on_ranks(_send_a_malicious_state, str(marker), world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, Ending.RETURNED]
+    assert "rank 1's state does not load with torch.load(weights_only=True)" in out[0].message
+    assert "nothing in it was run" in out[0].message
+    assert not marker.exists()
+
+
+def _state_of(kind: str) -> Any:
+    state: Any = {"w": torch.ones(1)} if kind == "ok" or dist.get_rank() != 1 else ["not", "a dict"]
+    return list(rw.gather_state_dicts(state, dst=0))
+
+
+def test_a_state_that_is_not_a_dict_raises_everywhere(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_state_of, "bad", world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, E]
+    assert out[1].exc_name == "TypeError" and "state must be a dict; got list" in out[1].message
+    assert "rank 1 could not contribute: TypeError" in out[0].message
