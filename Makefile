@@ -10,7 +10,7 @@ PYTEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[test,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[test,dev,bench]'
 	touch $@
 
 demo: $(STAMP)
@@ -29,7 +29,7 @@ unit: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu" -ra
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 gpu: $(STAMP)
 	bash ci/gpu

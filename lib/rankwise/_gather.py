@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from rankwise import _points, _transport, _wire
@@ -159,23 +158,18 @@ def _gather_chunks(
     data: memoryview, lengths: list[int], dst: int, group: Any, chunk_bytes: int
 ) -> list[bytearray] | None:
     device = _transport.exchange_device(group)
-    receiving = rank() == dst
-    out = [bytearray(n) for n in lengths] if receiving else None
+    out = [bytearray(n) for n in lengths] if rank() == dst else None
     longest = max(lengths)
     for offset in range(0, longest, chunk_bytes):
         width = min(chunk_bytes, longest - offset)
-        piece = data[offset : offset + width]
-        send = torch.zeros(width, dtype=torch.uint8, device=device)
-        if len(piece):
-            send[: len(piece)] = _transport.to_tensor(piece, device)
-        slots = (
-            [torch.empty(width, dtype=torch.uint8, device=device) for _ in lengths]
-            if receiving
-            else None
-        )
-        dist.gather(send, slots, dst=dst, group=group)
-        if out is not None and slots is not None:
-            for target, slot, length in zip(out, slots, lengths, strict=False):
+        send = _transport.send_buffer(data[offset : offset + width], width, device)
+        if out is None:
+            dist.gather(send, None, dst=dst, group=group)
+            continue
+        slots = [_transport.receive_buffer(target, offset, width, device) for target in out]
+        dist.gather(send, [slot for slot, _ in slots], dst=dst, group=group)
+        for target, (slot, in_place), length in zip(out, slots, lengths, strict=True):
+            if not in_place:
                 _transport.copy_out(slot, max(0, min(width, length - offset)), target, offset)
         del send, slots
     return out

@@ -7,6 +7,7 @@ them on this rank's current CUDA device, and they come back to host memory after
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Any
 
 import torch
@@ -25,6 +26,30 @@ def to_tensor(data: bytes | bytearray | memoryview, device: torch.device) -> tor
     if len(data) == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def send_buffer(piece: memoryview, width: int, device: torch.device) -> torch.Tensor:
+    """A `width`-byte tensor on `device` holding `piece`, zero-padded: one copy of the data."""
+    host = torch.empty(width, dtype=torch.uint8)
+    if len(piece):
+        with warnings.catch_warnings():  # read-only source: we only read it, once
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            host[: len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
+    if len(piece) < width:
+        host[len(piece) :].zero_()
+    return host if device.type == "cpu" else host.to(device)
+
+
+def receive_buffer(
+    target: bytearray, offset: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """Where `width` bytes for `target[offset:]` land; True when they land in `target` itself.
+
+    On the CPU, a slot that `target` covers entirely is a view of it: no copy afterwards.
+    """
+    if device.type == "cpu" and len(target) >= offset + width > 0:
+        return torch.frombuffer(target, dtype=torch.uint8, count=width, offset=offset), True
+    return torch.empty(width, dtype=torch.uint8, device=device), False
 
 
 def copy_out(tensor: torch.Tensor, length: int, target: bytearray, offset: int = 0) -> None:

@@ -1,0 +1,85 @@
+"""Shared helpers: robust statistics, machine facts, and timing a pytest run per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The median of several measurements and their spread (min..max)."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @staticmethod
+    def of(values: list[float]) -> Sample:
+        return Sample(statistics.median(values), min(values), max(values), len(values))
+
+    def ms(self) -> str:
+        return (
+            f"{self.median * 1e3:.1f} ms ({self.low * 1e3:.1f}–{self.high * 1e3:.1f}, n={self.n})"
+        )
+
+    def s(self) -> str:
+        return f"{self.median:.2f} s ({self.low:.2f}–{self.high:.2f}, n={self.n})"
+
+
+def machine() -> str:
+    import torch
+
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.system()} {platform.release()}"
+    )
+
+
+# A conftest that records each test's wall time (setup + call + teardown) to a JSON file.
+_TIMING_CONFTEST = """
+import json, os, time, pytest
+
+_times = {}
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = time.perf_counter()
+    yield
+    _times[item.nodeid] = time.perf_counter() - start
+
+def pytest_sessionfinish(session):
+    with open(os.environ["BENCH_TIMES"], "w") as f:
+        json.dump(_times, f)
+"""
+
+
+def time_pytest_run(test_source: str, args: list[str], timeout: float = 600) -> dict[str, float]:
+    """Run pytest on one generated test file; return each test's wall time in seconds."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        folder = Path(tmp)
+        (folder / "conftest.py").write_text(_TIMING_CONFTEST)
+        (folder / "test_bench.py").write_text(textwrap.dedent(test_source))
+        times = folder / "times.json"
+        env = {**os.environ, "BENCH_TIMES": str(times), "PYTHONDONTWRITEBYTECODE": "1"}
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(folder)],
+            cwd=folder,
+            env=env,
+            timeout=timeout,
+            check=False,
+            capture_output=True,
+        )
+        return json.loads(times.read_text()) if times.exists() else {}
