@@ -32,11 +32,11 @@ class Sample:
 
     def ms(self) -> str:
         return (
-            f"{self.median * 1e3:.1f} ms ({self.low * 1e3:.1f}–{self.high * 1e3:.1f}, n={self.n})"
+            f"{self.median * 1e3:.1f} ms ({self.low * 1e3:.1f}-{self.high * 1e3:.1f}, n={self.n})"
         )
 
     def s(self) -> str:
-        return f"{self.median:.2f} s ({self.low:.2f}–{self.high:.2f}, n={self.n})"
+        return f"{self.median:.2f} s ({self.low:.2f}-{self.high:.2f}, n={self.n})"
 
 
 def machine() -> str:

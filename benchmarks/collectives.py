@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -83,12 +84,12 @@ def _latency(rank: int, method: str) -> list[float]:
         dist.barrier()
         start = time.perf_counter()
         if method == "all_reduce":
-            rw.all_reduce("bench", lambda: {"step": i, "rank": rank}, lambda xs: xs)
+            rw.all_reduce("bench", lambda i=i: {"step": i, "rank": rank}, lambda xs: xs)
         elif method == "all_gather_object":
             out: list[Any] = [None] * WORLD
             dist.all_gather_object(out, {"step": i, "rank": rank})
         elif method == "broadcast_from":
-            rw.broadcast_from("bench", lambda: {"step": i})
+            rw.broadcast_from("bench", lambda i=i: {"step": i})
         else:
             box: list[Any] = [{"step": i}]
             dist.broadcast_object_list(box, src=0)
@@ -101,10 +102,8 @@ def _fail_fast(rank: int, _: Any) -> float:
 
     dist.barrier()
     start = time.perf_counter()
-    try:
+    with contextlib.suppress(ZeroDivisionError, RuntimeError):
         rw.all_reduce("step", lambda: 1 / (rank - 1), sum)  # rank 1 divides by zero
-    except (ZeroDivisionError, RuntimeError):
-        pass
     return time.perf_counter() - start
 
 

@@ -18,7 +18,7 @@ def main() -> int:
         "# Benchmark results",
         "",
         f"Machine: {machine()}. Produced by `make bench` on {time.strftime('%Y-%m-%d')}; each "
-        "figure is a median with its spread (min–max) over the runs shown, and each ratio "
+        "figure is a median with its spread (min-max) over the runs shown, and each ratio "
         "compares two runners measured side by side in the same run.",
         "",
     ]
