@@ -9,10 +9,31 @@ Importing this package does not import torch; the ranks start when a test first 
 
 from __future__ import annotations
 
+from harness.assertions import assert_close_across_ranks, assert_on_all_ranks
+from harness.expect import Expected, aborts, exits, hangs, killed, raises, returns
+from harness.faults import Fault, fault_point
 from harness.outcome import Ending, RankOutcome
 from harness.plugin import RankRunner, WorldOutcome
+from harness.simulate import ThreadedWorldError
 
-__all__ = ["Ending", "RankOutcome", "RankRunner", "WorldOutcome"]
+__all__ = [
+    "Ending",
+    "Expected",
+    "Fault",
+    "RankOutcome",
+    "RankRunner",
+    "ThreadedWorldError",
+    "WorldOutcome",
+    "aborts",
+    "assert_close_across_ranks",
+    "assert_on_all_ranks",
+    "exits",
+    "fault_point",
+    "hangs",
+    "killed",
+    "raises",
+    "returns",
+]
 
-# pytest registers harness.plugin (hooks and fixtures) when it registers this module.
-pytest_plugins = ["harness.plugin"]
+# pytest registers these (hooks and fixtures) when it registers this module.
+pytest_plugins = ["harness.plugin", "harness.simulate"]

@@ -59,6 +59,7 @@ class RankOutcome:
     output: str = ""  # captured stdout and stderr
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
+    leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
 
     @property
     def ok(self) -> bool:

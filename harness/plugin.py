@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from harness import expect as expectations
+from harness import faults as fault_specs
+from harness import hygiene
+from harness.expect import Expected
+from harness.faults import Fault
 from harness.outcome import Ending, RankOutcome, diagnose, render_report, summary_line
 from harness.protocol import Target
 
@@ -31,6 +36,7 @@ RANK_SIDE = ("rank", "device", "monkeypatch")
 
 _pools_key = pytest.StashKey["Pools"]()
 _spec_key = pytest.StashKey["RankSpec"]()
+_leftovers_key = pytest.StashKey[str]()
 
 
 # ---- options and markers -------------------------------------------------------------------
@@ -57,6 +63,12 @@ MARKERS = (
     "of a world of each size (default --ranks); launch=True gives torchrun's environment and no "
     "process group; timeout in seconds overrides --rank-timeout",
     "gpu: needs CUDA GPUs (one per rank); skipped where there are too few",
+    "fault(rank=1, kind='raise', at='start', nth=1, exc=None, code=1, signal='SIGKILL', "
+    "seconds=1.0): inject a fault on a rank of a ranks test (repeatable; or Fault objects)",
+    "expect(...): how each rank must end: expect(returns()), expect(rank=1, does=raises(E), "
+    "others=returns()) or expect({rank: outcome}); see harness.expect",
+    "allow_leftovers(*kinds): let the test leave 'group', 'threads' or 'env' behind in its "
+    "ranks (no arguments: all three)",
 )
 
 
@@ -142,6 +154,9 @@ class RankSpec:
     backend: str
     start_method: str
     launch: bool
+    faults: tuple[Fault, ...] = ()
+    expected: tuple[Expected, ...] = ()  # one per rank; empty: every rank must return
+    hygiene: frozenset[str] = frozenset(hygiene.CHECKS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -172,13 +187,48 @@ def _spec_for(item: pytest.Function, marker: pytest.Mark) -> RankSpec:
     backend = marker.kwargs.get("backend") or _option(config, "rank_backend")
     if backend not in BACKENDS:
         raise pytest.UsageError(f"{origin}: invalid backend {backend!r}; use gloo or nccl")
+    try:
+        faults = _marked_faults(item, world_size)
+        expected = _marked_expectations(item, world_size)
+        allowed = _allowed_leftovers(item)
+    except (fault_specs.FaultError, expectations.ExpectationError, ValueError) as exc:
+        raise pytest.UsageError(str(exc)) from None
     return RankSpec(
         world_size=world_size,
         timeout_s=_timeout_for(item, marker),
         backend=backend,
         start_method=_option(config, "rank_start_method"),
         launch=bool(marker.kwargs.get("launch", False)),
+        faults=faults,
+        expected=expected,
+        hygiene=frozenset(hygiene.CHECKS) - allowed,
     )
+
+
+def _marked_faults(item: pytest.Function, world_size: int) -> tuple[Fault, ...]:
+    origin = f"the fault marker on {item.nodeid}"
+    found: list[Fault] = []
+    for mark in item.iter_markers("fault"):
+        try:
+            found += fault_specs.from_marker(mark.args, mark.kwargs)
+        except (TypeError, fault_specs.FaultError) as exc:
+            raise fault_specs.FaultError(f"{exc}, in {origin}") from None
+    return tuple(fault_specs.validate(f, world_size, origin) for f in found)
+
+
+def _marked_expectations(item: pytest.Function, world_size: int) -> tuple[Expected, ...]:
+    mark = item.get_closest_marker("expect")
+    if mark is None:
+        return ()
+    origin = f"the expect marker on {item.nodeid}"
+    return tuple(expectations.from_marker(mark.args, mark.kwargs, world_size, origin))
+
+
+def _allowed_leftovers(item: pytest.Function) -> frozenset[str]:
+    mark = item.get_closest_marker("allow_leftovers")
+    if mark is None:
+        return frozenset()
+    return hygiene.parse_allowed(mark.args, f"the allow_leftovers marker on {item.nodeid}")
 
 
 def _timeout_for(item: pytest.Function, marker: pytest.Mark) -> float:
@@ -269,6 +319,12 @@ def shared_tmp_path(
     return tmp_path_factory.mktemp(f"shared-ranks{spec.world_size}")
 
 
+@pytest.fixture
+def rank_faults() -> list[Fault]:
+    """Faults for the ranks of a ranks test; override it (or parametrize it) to inject some."""
+    return []
+
+
 def _pools(config: pytest.Config) -> Pools:
     if _pools_key not in config.stash:
         from harness.pool import Pools
@@ -277,10 +333,24 @@ def _pools(config: pytest.Config) -> Pools:
     return config.stash[_pools_key]
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Close every pool and make sure no rank process outlived the session."""
+    pools = session.config.stash.get(_pools_key, None)
+    if pools is None:
+        return
+    left = pools.close()
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"harness: rank processes still alive at session end: {left}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     pools = config.stash.get(_pools_key, None)
     if pools is not None:
-        pools.close()
+        pools.close()  # idempotent; covers an interrupted session
 
 
 # ---- running a marked test on its ranks -----------------------------------------------------
@@ -293,9 +363,37 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     target = _test_target(pyfuncitem)
     kwargs = _sendable_funcargs(pyfuncitem)
+    extra = pyfuncitem._request.getfixturevalue("rank_faults")
+    if extra:
+        origin = f"the rank_faults fixture of {pyfuncitem.nodeid}"
+        try:
+            more = tuple(fault_specs.validate(f, spec.world_size, origin) for f in extra)
+        except fault_specs.FaultError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        spec = RankSpec(**{**spec.__dict__, "faults": spec.faults + more})
     outcomes = _run(pyfuncitem.config, spec, target, (), kwargs)
+    _record_leftovers(pyfuncitem, outcomes)
     _judge(pyfuncitem.nodeid, spec, outcomes)
     return True
+
+
+def _record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+    lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
+    if lines:
+        hint = "(a test that means it: @pytest.mark.allow_leftovers('group', 'threads', 'env'))"
+        item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], hint])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A test that left things behind in a rank errors at teardown, naming the rank."""
+    text = item.stash.get(_leftovers_key, None)
+    if text is not None:
+        raise RankLeftovers(text)
+
+
+class RankLeftovers(Exception):
+    """A rank test left a process group, threads or environment changes behind."""
 
 
 def _test_target(item: pytest.Function) -> Target:
@@ -344,6 +442,8 @@ def _run(
         timeout_s=spec.timeout_s,
         launch=spec.launch,
         device_for_rank=_device_for(spec.backend),
+        faults=spec.faults,
+        hygiene=spec.hygiene,
     )
     return _pools(config).run(key, request)
 
@@ -355,15 +455,37 @@ def _device_for(backend: str) -> Callable[[int], str]:
 
 
 def _judge(nodeid: str, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
-    """Pass only if every rank returned; otherwise fail with the root cause first."""
+    """Pass only if every rank ended as expected; otherwise fail with the root cause first."""
     if all(o.ending is Ending.SKIPPED for o in outcomes):
         pytest.skip(outcomes[0].message)
+    text = failure_text(outcomes, spec.expected)
+    if text is not None:
+        pytest.fail(
+            f"{text.splitlines()[0]}  [{spec.world_size} ranks, {nodeid}]\n"
+            + "\n".join(text.splitlines()[1:]),
+            pytrace=False,
+        )
+
+
+def failure_text(outcomes: list[RankOutcome], expected: tuple[Expected, ...] = ()) -> str | None:
+    """The report for outcomes that differ from `expected` (default: all return), or None."""
+    if expected:
+        failed = expectations.mismatches(expected, outcomes)
+        if not failed:
+            return None
+        diagnosis = diagnose(outcomes, failed)
+        header = f"expected outcomes not met on {_plural(failed)}"
+        body = render_report(outcomes, diagnosis, expectations.table(expected, outcomes))
+        return f"{header}\n\n{body}"
     failed = [o.rank for o in outcomes if not o.ok]
     if not failed:
-        return
+        return None
     diagnosis = diagnose(outcomes, failed)
-    header = f"{summary_line(outcomes, diagnosis)}  [{spec.world_size} ranks, {nodeid}]"
-    pytest.fail(render_report(outcomes, diagnosis, header), pytrace=False)
+    return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis))
+
+
+def _plural(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 # ---- running any function on ranks, from the pytest process ---------------------------------
@@ -397,9 +519,14 @@ class WorldOutcome:
         return [o.ending for o in self.ranks]
 
     def report(self) -> str:
-        failed = [o.rank for o in self.ranks if not o.ok]
-        diagnosis = diagnose(self.ranks, failed)
-        return render_report(self.ranks, diagnosis, summary_line(self.ranks, diagnosis))
+        return failure_text(self.ranks) or "every rank returned"
+
+    def expect(self, *args: Any, **kwargs: Any) -> None:
+        """Assert how each rank ended, in the expect marker's forms; the table on a mismatch."""
+        wanted = expectations.from_marker(args, kwargs, len(self.ranks), "WorldOutcome.expect")
+        text = failure_text(self.ranks, tuple(wanted))
+        if text is not None:
+            raise AssertionError(text)
 
 
 class RankRunner:
@@ -416,6 +543,7 @@ class RankRunner:
         timeout: float | None = None,
         launch: bool = False,
         backend: str | None = None,
+        faults: list[Fault] | tuple[Fault, ...] = (),
         **kwargs: Any,
     ) -> WorldOutcome:
         target = _function_target(fn)
@@ -437,6 +565,10 @@ class RankRunner:
             start_method=_option(self._config, "rank_start_method"),
             launch=launch,
         )
+        checked = tuple(
+            fault_specs.validate(f, spec.world_size, "run_on_ranks(faults=...)") for f in faults
+        )
+        spec = RankSpec(**{**spec.__dict__, "faults": checked})
         return WorldOutcome(_run(self._config, spec, target, args, kwargs))
 
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from harness.faults import Fault
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import Kind, Message, RunTask, Target
 from harness.stacks import dump_stacks
@@ -59,6 +60,8 @@ class RunRequest:
     timeout_s: float
     launch: bool = False
     device_for_rank: Callable[[int], str] = lambda rank: "cpu"
+    faults: tuple[Fault, ...] = ()
+    hygiene: frozenset[str] = frozenset()
 
 
 class _Slot:
@@ -220,7 +223,11 @@ class _Run:
             self._wait_once(remaining)
         for slot in self.slots:
             self.outcomes[slot.rank].output = slot.read_output()
-        if any(o.ending in _NOT_REUSABLE for o in self.outcomes.values()):
+        # A rank with a thread of the test's still running is not clean for the next test.
+        suspect = any(
+            o.ending in _NOT_REUSABLE or "threads" in o.leftovers for o in self.outcomes.values()
+        )
+        if suspect:
             self.pool.close()  # the next test gets a fresh pool, never a suspect rank
         return [self.outcomes[slot.rank] for slot in self.slots]
 
@@ -350,6 +357,8 @@ class Pools:
                 sys_path=list(sys.path),
                 cwd=os.getcwd(),
                 env=dict(os.environ),
+                faults=tuple(f for f in request.faults if rank in f.ranks(key.world_size)),
+                hygiene=request.hygiene,
             )
             for rank in range(key.world_size)
         ]
@@ -366,12 +375,30 @@ class Pools:
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
 
-    def close(self) -> None:
+    def close(self) -> list[int]:
+        """Kill every rank; return the pids of any still alive 5 s later (there should be none)."""
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
         self._store = None
         shutil.rmtree(self._workdir, ignore_errors=True)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in self.started_pids):
+            time.sleep(0.05)
+        return sorted(p for p in self.started_pids if _alive(p))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by the forkserver, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return not sys.platform.startswith("linux")
 
 
 def pickle_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.faults import Fault
 from harness.outcome import RankOutcome
 
 
@@ -52,6 +53,8 @@ class RunTask:
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
     env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time
+    faults: tuple[Fault, ...] = ()  # this rank's
+    hygiene: frozenset[str] = frozenset()  # the leftover checks to make after the body
 
 
 Payload = Ready | RunTask | RankOutcome

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness import hygiene
+from harness.faults import Injector
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import Kind, Message, Ready, RunTask
 
@@ -156,7 +158,12 @@ def _serve(task: RunTask) -> RankOutcome:
     saved_env = dict(os.environ)
     try:
         _enter_test_context(task)
-        return _run_target(task)
+        before = hygiene.snapshot()
+        with Injector(task.rank, task.faults).installed() as injector:
+            outcome = _run_target(task, injector)
+        group_left = task.launch_port is not None and dist.is_initialized()
+        outcome.leftovers = hygiene.findings(before, task.hygiene, group_left)
+        return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
         return _raised(task, exc, note="while setting the rank up for the test")
     finally:
@@ -236,11 +243,12 @@ def _teardown_group() -> None:
             dist.destroy_process_group()
 
 
-def _run_target(task: RunTask) -> RankOutcome:
+def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
     fn = _resolve(task)
     args, kwargs = pickle.loads(task.args_blob)
     kwargs.update(_rank_side_values(task, kwargs))
     try:
+        injector.at_start()
         value = fn(*args, **kwargs)
     except SystemExit as exc:
         _undo(kwargs)

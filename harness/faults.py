@@ -1,0 +1,213 @@
+"""Per-rank faults: what to do (raise, exit, die, hang, straggle), on which rank, and where.
+
+A :class:`Fault` is declared with ``@pytest.mark.fault(...)`` (repeatable), through the
+``rank_faults`` fixture, or passed to ``run_on_ranks(..., faults=[...])``. Inside a rank an
+:class:`Injector` fires it at the start of the body, or when the code under test passes a
+named point: one of rankwise's labelled collectives (``"all_reduce:step"``, or just the label
+``"step"``), ``distributed_run``'s entry or exit (``"distributed_run:enter"`` / ``":exit"``),
+or any point the code marks with :func:`fault_point`. ``nth`` picks the Nth pass.
+
+Imports no torch: the pytest side validates faults at collection time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal as signals
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("raise", "exit", "hard_exit", "signal", "hang", "delay")
+SIGNALS = {
+    "SIGKILL": signals.SIGKILL,
+    "SIGSEGV": signals.SIGSEGV,
+    "SIGTERM": signals.SIGTERM,
+    "SIGABRT": signals.SIGABRT,
+}
+START = "start"
+
+
+class FaultError(ValueError):
+    """A fault declaration that cannot be carried out; says where it came from."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault on some ranks: `kind` at point `at` (default: the start of the body)."""
+
+    rank: int | tuple[int, ...] | str = 1  # a rank, several, or "all"
+    kind: str = "raise"
+    at: str = START
+    nth: int = 1
+    exc: Any = None  # for "raise": an exception instance or class (default RuntimeError)
+    code: int = 1  # for "exit" and "hard_exit"
+    signal: int | str = "SIGKILL"  # for "signal"
+    seconds: float = 1.0  # for "delay"
+
+    def ranks(self, world_size: int) -> tuple[int, ...]:
+        if self.rank == "all":
+            return tuple(range(world_size))
+        return (self.rank,) if isinstance(self.rank, int) else tuple(self.rank)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        where = "at the start of the body" if self.at == START else f"at {self.at!r}"
+        nth = f" (pass {self.nth})" if self.nth != 1 else ""
+        return f"{self.kind} {where}{nth}"
+
+
+def validate(fault: Fault, world_size: int, origin: str) -> Fault:
+    """Check every field, raising FaultError that names `origin` and what is allowed."""
+
+    def bad(what: str, advice: str) -> FaultError:
+        return FaultError(f"invalid fault {what} from {origin}: {advice}")
+
+    if fault.kind not in KINDS:
+        raise bad(f"kind {fault.kind!r}", f"choose one of {', '.join(KINDS)}")
+    ranks = fault.rank if isinstance(fault.rank, (tuple, list)) else (fault.rank,)
+    if fault.rank != "all":
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+                raise bad(
+                    f"rank {r!r}", f"use a rank in 0..{world_size - 1}, a list of them, or 'all'"
+                )
+    if not isinstance(fault.at, str) or not fault.at:
+        raise bad(f"point {fault.at!r}", "use 'start' or a point name such as 'all_reduce:step'")
+    if isinstance(fault.nth, bool) or not isinstance(fault.nth, int) or fault.nth < 1:
+        raise bad(f"nth {fault.nth!r}", "use an int >= 1")
+    if fault.kind == "signal":
+        _signal_number(fault.signal, bad)
+    if fault.kind in ("exit", "hard_exit") and (
+        isinstance(fault.code, bool) or not isinstance(fault.code, int)
+    ):
+        raise bad(f"exit code {fault.code!r}", "use an int")
+    if fault.kind == "delay" and not (
+        isinstance(fault.seconds, (int, float)) and fault.seconds >= 0
+    ):
+        raise bad(f"delay {fault.seconds!r}", "use seconds >= 0")
+    if fault.kind == "raise" and fault.exc is not None and not _is_exception(fault.exc):
+        raise bad(f"exception {fault.exc!r}", "use an exception instance or class")
+    if isinstance(fault.rank, list):
+        fault = Fault(**{**fault.__dict__, "rank": tuple(fault.rank)})
+    return fault
+
+
+def _is_exception(exc: Any) -> bool:
+    return isinstance(exc, BaseException) or (
+        isinstance(exc, type) and issubclass(exc, BaseException)
+    )
+
+
+def _signal_number(value: int | str, bad: Any) -> int:
+    if isinstance(value, str):
+        if value.upper() not in SIGNALS:
+            raise bad(f"signal {value!r}", f"choose one of {', '.join(SIGNALS)}")
+        return int(SIGNALS[value.upper()])
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"signal {value!r}", "use a signal number or name")
+    return int(value)
+
+
+def from_marker(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Fault]:
+    """``fault(Fault(...), ...)`` or ``fault(rank=1, kind="exit", code=3, ...)``."""
+    if args and all(isinstance(a, Fault) for a in args) and not kwargs:
+        return list(args)
+    if args:
+        raise FaultError(
+            "the fault marker takes Fault(...) objects or keyword fields such as "
+            "fault(rank=1, kind='exit', code=3)"
+        )
+    unknown = set(kwargs) - set(Fault.__dataclass_fields__)
+    if unknown:
+        fields = ", ".join(sorted(Fault.__dataclass_fields__))
+        raise FaultError(f"unknown fault field(s) {', '.join(sorted(unknown))}: use {fields}")
+    return [Fault(**kwargs)]
+
+
+# ---- inside a rank --------------------------------------------------------------------------
+
+
+@dataclass
+class Injector:
+    """Fires this rank's faults at their points; counts every point passed during the run."""
+
+    rank: int
+    faults: tuple[Fault, ...]
+    passes: dict[str, int] = field(default_factory=dict)
+
+    def at_start(self) -> None:
+        self._passed(START, START)
+
+    def observe(self, phase: str, kind: str, label: str) -> None:
+        """A rankwise point observer: faults fire on entry."""
+        if phase == "enter":
+            self._passed(f"{kind}:{label}", label)
+
+    def _passed(self, full: str, label: str) -> None:
+        for name in {full, label}:
+            self.passes[name] = self.passes.get(name, 0) + 1
+        for fault in self.faults:
+            if fault.at in (full, label) and self.passes[fault.at] == fault.nth:
+                _fire(fault, self.rank, full)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Injector]:
+        global _active
+        if not self.faults:
+            yield self
+            return
+        points = _rankwise_points()
+        if points is not None:
+            points.add_observer(self.observe)
+        _active = self
+        try:
+            yield self
+        finally:
+            _active = None
+            if points is not None:
+                points.remove_observer(self.observe)
+
+
+_active: Injector | None = None
+
+
+def fault_point(name: str) -> None:
+    """Mark a point in the code under test where a test can inject a fault (``at=name``).
+
+    Costs one check when no fault is armed; does nothing outside a harness rank.
+    """
+    if _active is not None:
+        _active._passed(f"point:{name}", name)
+
+
+def _rankwise_points() -> Any:
+    try:
+        from rankwise import _points
+    except ImportError:
+        return None
+    return _points
+
+
+def _fire(fault: Fault, rank: int, where: str) -> None:
+    message = f"fault injected by the harness on rank {rank} at {where}"
+    if fault.kind == "raise":
+        exc = fault.exc if fault.exc is not None else RuntimeError
+        raise exc(message) if isinstance(exc, type) else exc
+    if fault.kind == "exit":
+        sys.exit(fault.code)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if fault.kind == "hard_exit":
+        os._exit(fault.code)
+    if fault.kind == "signal":
+        os.kill(os.getpid(), _signal_number(fault.signal, lambda what, advice: FaultError(what)))
+        threading.Event().wait(5)  # a handled or slow signal: give it time to land
+        return
+    if fault.kind == "hang":
+        threading.Event().wait()  # until the harness's deadline kills the rank
+    time.sleep(float(fault.seconds))  # delay: a straggler, then carry on

@@ -1,0 +1,66 @@
+"""What a test leaves behind in a rank: a process group, non-daemon threads, changed env.
+
+The worker snapshots before the body and compares after; the pytest side reports findings
+as a test error naming the rank. A test that means to leave something opts out with
+``@pytest.mark.allow_leftovers("group", "threads", "env")`` (no arguments: all three).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+CHECKS = ("group", "threads", "env")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    threads: frozenset[int]
+    env: dict[str, str]
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), dict(os.environ))
+
+
+def findings(before: Snapshot, checks: frozenset[str], group_left: bool) -> dict[str, str]:
+    """Each leftover, by check: a sentence saying what it is and what to do."""
+    found: dict[str, str] = {}
+    if "group" in checks and group_left:
+        found["group"] = (
+            "left the process group it set up initialised: call "
+            "torch.distributed.destroy_process_group() (or use rankwise.distributed_run)"
+        )
+    if "threads" in checks:
+        names = [
+            t.name
+            for t in threading.enumerate()
+            if t.is_alive() and not t.daemon and (t.ident or 0) not in before.threads
+        ]
+        if names:
+            found["threads"] = (
+                f"left non-daemon threads running: {', '.join(sorted(names))}; join them"
+            )
+    if "env" in checks:
+        changed = sorted(
+            k for k in set(before.env) | set(os.environ) if before.env.get(k) != os.environ.get(k)
+        )
+        if changed:
+            found["env"] = (
+                f"changed environment variables {', '.join(changed)}; restore them, or use "
+                f"the monkeypatch fixture, which undoes itself"
+            )
+    return found
+
+
+def parse_allowed(args: tuple[object, ...], origin: str) -> frozenset[str]:
+    """The checks a test opts out of; unknown names are an error naming `origin`."""
+    names = set(args) if args else set(CHECKS)
+    unknown = names - set(CHECKS)
+    if unknown:
+        raise ValueError(
+            f"invalid leftover kind(s) {sorted(map(str, unknown))} from {origin}: "
+            f"choose from {', '.join(CHECKS)}"
+        )
+    return frozenset(str(n) for n in names)

@@ -1,0 +1,193 @@
+"""Simulation fixtures: one process, no ranks. Each says what it cannot simulate.
+
+- ``launch_env``: torchrun's environment, restored after the test.
+- ``fake_world``: a process group of any size (torch's "fake" backend), for plans and rank
+  arithmetic at thousands of ranks.
+- ``threaded_world``: threads as ranks (torch's "threaded" backend), for fast logic tests.
+
+torch is imported only when a fixture is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from harness.outcome import Ending
+
+
+@pytest.fixture
+def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]:
+    """``launch_env(world_size=8, rank=3)``: this process now looks like rank 3 of a launch.
+
+    Sets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as
+    torchrun does, before any process group exists) and restores them after the test.
+    Cannot simulate: the rendezvous (nothing listens on MASTER_PORT, so setting a group up
+    from this environment fails) and the peers themselves.
+    """
+
+    def set_up(
+        world_size: int = 2,
+        rank: int = 0,
+        local_world_size: int | None = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ) -> dict[str, str]:
+        local = local_world_size or world_size
+        for name, value in (("world_size", world_size), ("local_world_size", local)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"launch_env: {name} must be an int >= 1; got {value!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"launch_env: rank must be in 0..{world_size - 1}; got {rank!r}")
+        if world_size % local:
+            raise ValueError(
+                f"launch_env: local_world_size {local} must divide world_size {world_size}"
+            )
+        env = {
+            "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % local),
+            "LOCAL_WORLD_SIZE": str(local),
+            "GROUP_RANK": str(rank // local),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+        for variable, text in env.items():
+            monkeypatch.setenv(variable, text)
+        return env
+
+    return set_up
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Callable[..., Any]]:
+    """``fake_world(world_size=4096, rank=0)``: a live default group of any size, in-process.
+
+    Queries (rank, world size, new_group, the group's ranks) behave as in a real world of that
+    size, so plans and rank arithmetic can be tested at scale. The group is destroyed after
+    the test. Cannot simulate: data movement (collectives return at once and leave tensors
+    as they were), other ranks' views, failures and hangs.
+    """
+    import torch.distributed as dist
+
+    owned: list[bool] = []
+
+    def set_up(world_size: int, rank: int = 0) -> Any:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise RuntimeError("fake_world: a process group is already set up in this process")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"fake_world: world_size must be an int >= 1; got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"fake_world: rank must be in 0..{world_size - 1}; got {rank!r}")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        owned.append(True)
+        return dist.group.WORLD
+
+    yield set_up
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class ThreadRank:
+    """How one thread-rank ended."""
+
+    rank: int
+    ending: Ending
+    value: Any = None
+    error: BaseException | None = None
+    exit_code: int | None = None
+
+
+class ThreadedWorldError(AssertionError):
+    """A thread-rank did not return: raised, called sys.exit, or hung."""
+
+
+@pytest.fixture
+def threaded_world() -> Callable[..., list[Any]]:
+    """``threaded_world(fn, world_size=4, timeout=30)``: run ``fn(rank)`` on thread-ranks.
+
+    Each thread joins a "threaded" process group; collectives really move data between the
+    threads. Returns every rank's value; if any rank raised, called sys.exit (which a
+    thread would otherwise swallow) or hung, raises ThreadedWorldError naming each rank.
+    Cannot simulate: NCCL or CUDA collectives, separate processes (module state, the RNG and
+    the environment are shared by all ranks: torch.manual_seed on one rank seeds them all),
+    crashes or signals, and a hung thread cannot be killed (it is left as a daemon).
+    """
+
+    def run(fn: Callable[[int], Any], world_size: int = 4, timeout: float = 30.0) -> list[Any]:
+        return _run_threaded(fn, world_size, timeout)
+
+    return run
+
+
+def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> list[Any]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    # torch's private threaded-backend helpers, untyped: reach them through Any.
+    threaded: Any = multi_threaded_pg
+    ProcessLocalGroup = threaded.ProcessLocalGroup
+
+    if dist.is_initialized():
+        raise RuntimeError("threaded_world: a process group is already set up in this process")
+    world = threaded._install_threaded_pg()
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    ends: dict[int, ThreadRank] = {}
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            ends[rank] = ThreadRank(rank, Ending.RETURNED, value=fn(rank))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            ends[rank] = ThreadRank(rank, Ending.EXITED, error=exc, exit_code=code)
+            ProcessLocalGroup.exception_handle(exc)  # wake the peers waiting on this rank
+        except BaseException as exc:
+            ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc)
+            ProcessLocalGroup.exception_handle(exc)
+        finally:
+            if dist.distributed_c10d._world is world and dist.is_initialized():
+                dist.destroy_process_group()
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"thread-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout)
+    finally:
+        threaded._uninstall_threaded_pg()
+        ProcessLocalGroup.reset()
+    for rank in range(world_size):
+        ends.setdefault(rank, ThreadRank(rank, Ending.HUNG))
+    _raise_unless_all_returned([ends[r] for r in range(world_size)], timeout)
+    return [ends[r].value for r in range(world_size)]
+
+
+def _raise_unless_all_returned(ends: list[ThreadRank], timeout: float) -> None:
+    bad = [end for end in ends if end.ending is not Ending.RETURNED]
+    if not bad:
+        return
+    parts = []
+    for end in bad:
+        if end.ending is Ending.EXITED:
+            parts.append(f"rank {end.rank} called sys.exit({end.exit_code})")
+        elif end.ending is Ending.RAISED:
+            parts.append(f"rank {end.rank} raised {type(end.error).__name__}: {end.error}")
+        else:
+            parts.append(f"rank {end.rank} hung (still running after {timeout:g} s)")
+    error = ThreadedWorldError("threaded_world: " + "; ".join(parts))
+    first = next((end.error for end in bad if end.error is not None), None)
+    if first is not None:
+        raise error from first
+    raise error
