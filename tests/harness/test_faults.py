@@ -148,7 +148,8 @@ def test_outside(run_on_ranks):
     [
         (
             "fault(rank=1, kind='explode')",
-            "invalid fault kind 'explode' from the fault marker on *test_bad*: choose one of raise, exit, hard_exit, signal, hang, delay",
+            "invalid fault kind 'explode' from the fault marker on *test_bad*: "
+            "choose one of raise, exit, hard_exit, signal, hang, delay",
         ),
         (
             "fault(rank=7)",
