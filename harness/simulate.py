@@ -103,6 +103,7 @@ class ThreadRank:
     value: Any = None
     error: BaseException | None = None
     exit_code: int | None = None
+    collateral: bool = False  # woken from a collective because another rank failed
 
 
 class ThreadedWorldError(AssertionError):
@@ -128,6 +129,7 @@ def threaded_world() -> Callable[..., list[Any]]:
 
 
 def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> list[Any]:
+    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg
 
@@ -138,6 +140,8 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
     if dist.is_initialized():
         raise RuntimeError("threaded_world: a process group is already set up in this process")
     world = threaded._install_threaded_pg()
+    c10d: Any = torch._C._distributed_c10d
+    c10d._set_thread_isolation_mode(True)  # each thread-rank registers its own group names
     store = dist.HashStore()  # type: ignore[attr-defined]
     ends: dict[int, ThreadRank] = {}
 
@@ -146,6 +150,9 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             ends[rank] = ThreadRank(rank, Ending.RETURNED, value=fn(rank))
         except SystemExit as exc:
+            if exc.code == _WOKEN_BY_PEER:  # torch ends a waiting peer so when a rank fails
+                ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc, collateral=True)
+                return
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             ends[rank] = ThreadRank(rank, Ending.EXITED, error=exc, exit_code=code)
             ProcessLocalGroup.exception_handle(exc)  # wake the peers waiting on this rank
@@ -166,6 +173,7 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
         for thread in threads:
             thread.join(timeout)
     finally:
+        c10d._set_thread_isolation_mode(False)
         threaded._uninstall_threaded_pg()
         ProcessLocalGroup.reset()
     for rank in range(world_size):
@@ -174,11 +182,16 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
     return [ends[r].value for r in range(world_size)]
 
 
+_WOKEN_BY_PEER = "Test termination event occurs."
+
+
 def _raise_unless_all_returned(ends: list[ThreadRank], timeout: float) -> None:
     bad = [end for end in ends if end.ending is not Ending.RETURNED]
     if not bad:
         return
     parts = []
+    woken = [end.rank for end in bad if end.collateral]
+    bad = [end for end in bad if not end.collateral] or bad
     for end in bad:
         if end.ending is Ending.EXITED:
             parts.append(f"rank {end.rank} called sys.exit({end.exit_code})")
@@ -186,6 +199,10 @@ def _raise_unless_all_returned(ends: list[ThreadRank], timeout: float) -> None:
             parts.append(f"rank {end.rank} raised {type(end.error).__name__}: {end.error}")
         else:
             parts.append(f"rank {end.rank} hung (still running after {timeout:g} s)")
+    if woken and len(bad) < len(ends):
+        parts.append(
+            f"{'rank' if len(woken) == 1 else 'ranks'} {', '.join(map(str, woken))} collateral"
+        )
     error = ThreadedWorldError("threaded_world: " + "; ".join(parts))
     first = next((end.error for end in bad if end.error is not None), None)
     if first is not None:
