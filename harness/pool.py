@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import os
 import pickle
 import shutil

@@ -8,24 +8,30 @@ from __future__ import annotations
 __all__ = [
     "DistributedProcessGroup",
     "DistributedState",
+    "DistributionPlan",
     "ParallelState",
     "all_reduce",
     "backend",
     "barrier",
     "broadcast_from",
     "distributed_run",
+    "distribution_plan",
+    "fsdp2_wrap",
     "gather_bytes",
     "gather_state_dicts",
     "is_available",
     "is_distributed_launch",
     "is_distributed_run",
+    "is_fsdp2_model",
     "is_initialized",
     "is_master",
     "rank",
+    "set_distribution_plan",
     "size",
 ]
 
 from rankwise._collectives import all_reduce, broadcast_from
+from rankwise._fsdp import fsdp2_wrap, is_fsdp2_model
 from rankwise._gather import gather_bytes, gather_state_dicts
 from rankwise._groups import DistributedProcessGroup, ParallelState
 from rankwise._launch import (
@@ -39,4 +45,5 @@ from rankwise._launch import (
     rank,
     size,
 )
+from rankwise._plan import DistributionPlan, distribution_plan, set_distribution_plan
 from rankwise._run import DistributedState, distributed_run

@@ -1,0 +1,144 @@
+"""FSDP2 for Hugging Face causal LMs: find the decoder layers, shard each, then the root."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# Where decoder stacks live when a model carries no metadata (Llama-likes, VLM language
+# models, GPT-2, OPT/BART-style decoders, GPT-NeoX), tried in this order.
+_LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "language_model.layers",
+    "layers",
+    "transformer.h",
+    "h",
+    "model.decoder.layers",
+    "decoder.layers",
+    "gpt_neox.layers",
+)
+
+
+def is_fsdp2_model(model: nn.Module) -> bool:
+    """Whether `model` or any of its submodules was sharded with FSDP2's fully_shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: by its own metadata first, else by known attribute paths."""
+    named = _by_no_split_modules(model)
+    if named:
+        return named
+    for path in _LAYER_PATHS:
+        found = _get_path(model, path)
+        if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 0:
+            return list(found)
+    raise RuntimeError(
+        f"fsdp2_wrap: cannot find the decoder layers of {type(model).__name__}: it has no "
+        f"_no_split_modules naming a submodule class, and none of the attribute paths "
+        f"{', '.join(_LAYER_PATHS)} is a non-empty ModuleList"
+    )
+
+
+def _by_no_split_modules(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        return []
+    matches = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    decoders = [m for m in matches if "Decoder" in type(m).__name__]
+    chosen = decoders or matches  # a VLM also names its vision blocks: prefer the decoder's
+    return [m for m in chosen if not any(_contains(other, m) for other in chosen if other is not m)]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules() if m is not outer)
+
+
+def _get_path(model: nn.Module, path: str) -> Any:
+    current: Any = model
+    for part in path.split("."):
+        current = getattr(current, part, None)
+        if current is None:
+            return None
+    return current
+
+
+def off_dtype_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose dtype is not the model's dominant one (by element count).
+
+    FSDP2 rejects a shard group that mixes dtypes, so these stay out of the wrap.
+    """
+    counts: Counter[torch.dtype] = Counter()
+    for param in model.parameters():
+        counts[param.dtype] += param.numel()
+    if len(counts) < 2:
+        return []
+    dominant = counts.most_common(1)[0][0]
+    return [p for p in model.parameters() if p.dtype != dominant]
+
+
+def fsdp2_wrap(
+    model: nn.Module,
+    shard_root: bool = True,
+    mp_policy: Any = None,
+    cpu_offload: bool = False,
+) -> list[nn.Module]:
+    """Find a HF causal LM's decoder layers and FSDP2-shard each, then the root.
+
+    With `shard_root=False` the root (embeddings, head, final norm) stays replicated. Returns
+    the detected layers. Parameters of a dtype other than the model's dominant one are left
+    out of the shards, stay replicated, and are moved to the shards' compute device (which
+    fully_shard does not do for parameters it ignores). `config.architectures` is kept.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    if is_fsdp2_model(model):
+        raise RuntimeError(
+            f"fsdp2_wrap: {type(model).__name__} is already FSDP2-sharded; wrap a model once"
+        )
+    layers = decoder_layers(model)
+    config = getattr(model, "config", None)
+    recorded = getattr(config, "architectures", None)
+    architectures = list(recorded) if recorded else None
+    ignored = set(off_dtype_params(model))
+    options: dict[str, Any] = {
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for layer in layers:
+        fully_shard(layer, ignored_params=_within(layer, ignored) or None, **options)
+    if shard_root:
+        fully_shard(model, ignored_params=ignored or None, **options)
+    _move_to_compute_device(ignored)
+    if config is not None and architectures is not None:
+        config.architectures = architectures
+    return layers
+
+
+def _within(module: nn.Module, params: set[nn.Parameter]) -> set[nn.Parameter]:
+    own = {id(p) for p in module.parameters()}
+    return {p for p in params if id(p) in own}
+
+
+def _move_to_compute_device(params: set[nn.Parameter]) -> None:
+    """Put the replicated off-dtype parameters where the shards compute (also under offload)."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    for param in params:
+        if param.device != device:
+            param.data = param.data.to(device)
