@@ -95,7 +95,10 @@ def fsdp2_wrap(
     With `shard_root=False` the root (embeddings, head, final norm) stays replicated. Returns
     the detected layers. Parameters of a dtype other than the model's dominant one are left
     out of the shards, stay replicated, and are moved to the shards' compute device (which
-    fully_shard does not do for parameters it ignores). `config.architectures` is kept.
+    fully_shard does not do for parameters it ignores), also under CPU offload.
+    `config.architectures` is kept. `cpu_offload` keeps the shards in host memory between
+    uses; on a machine without an accelerator the parameters are there already and it
+    changes nothing.
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -113,9 +116,11 @@ def fsdp2_wrap(
     recorded = getattr(config, "architectures", None)
     architectures = list(recorded) if recorded else None
     ignored = set(off_dtype_params(model))
+    # Without an accelerator the parameters live on the CPU already: nothing to offload.
+    offload = cpu_offload and torch.accelerator.is_available()
     options: dict[str, Any] = {
         "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
     }
     for layer in layers:
         fully_shard(layer, ignored_params=_within(layer, ignored) or None, **options)

@@ -49,6 +49,9 @@ def build(arch: str, seed: int = 0) -> nn.Module:
                 n_positions=64,
                 bos_token_id=0,
                 eos_token_id=1,
+                resid_pdrop=0.0,  # no dropout: the sharded and reference runs must agree
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             )
         )
     if arch == "vlm":

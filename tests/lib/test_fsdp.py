@@ -1,0 +1,195 @@
+"""fsdp2_wrap on tiny HF models, gloo/CPU: same logits and same step as the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import rankwise as rw
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from tests.lib.tiny_models import ARCHITECTURES, build, tokens
+
+# fp32 models: the sharded forward and step are the same computation, up to summation order.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.float().pow(2).mean()
+
+
+def _check_same_logits_and_step(model: nn.Module, reference: nn.Module, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    # Optimizers first: after a forward FSDP2 registers the root's unsharded tensors for a
+    # while, and an optimizer built then would step copies that resharding throws away.
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    ids = tokens()  # the same batch on every rank: the averaged gradient is the reference's
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=rtol, atol=atol
+        )
+    for m, optimizer in zip((model, reference), optimizers, strict=True):
+        _loss(m, ids).backward()
+        optimizer.step()
+    ours = dict(model.named_parameters())
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(
+            _full(ours[name]),
+            expected.detach(),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
+
+
+@pytest.mark.ranks(2, 4, timeout=120)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_wrapped_model_matches_the_unsharded_one(arch: str, rank: int) -> None:
+    model = build(arch)
+    reference = copy.deepcopy(model)
+    dtype = next(model.parameters()).dtype if arch != "moe" else torch.bfloat16
+    layers = rw.fsdp2_wrap(model)
+    assert layers and all(isinstance(layer, FSDPModule) for layer in layers)
+    assert isinstance(model, FSDPModule) and rw.is_fsdp2_model(model)
+    assert "Decoder" in type(layers[0]).__name__ or type(layers[0]).__name__.endswith("GPT2Block")
+    _check_same_logits_and_step(model, reference, dtype)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_moe_router_weights_stay_fp32_and_replicated(rank: int) -> None:
+    model = build("moe")
+    routers = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert routers and all(n.endswith("mlp.gate.weight") for n in routers)
+    rw.fsdp2_wrap(model)
+    for name, param in model.named_parameters():
+        if name in routers:
+            assert not isinstance(param, DTensor) and param.dtype == torch.float32, name
+            assert param.device.type == "cpu"  # the shards' compute device here
+        else:
+            assert isinstance(param, DTensor), name
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_shard_root_false_leaves_the_root_replicated(rank: int) -> None:
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    layers = rw.fsdp2_wrap(model, shard_root=False)
+    assert not isinstance(model, FSDPModule) and all(isinstance(x, FSDPModule) for x in layers)
+    assert not isinstance(model.model.embed_tokens.weight, DTensor)
+    assert rw.is_fsdp2_model(model)
+    _check_same_logits_and_step(model, reference, torch.float32)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_bf16_mixed_precision_policy(rank: int) -> None:
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rw.fsdp2_wrap(model, mp_policy=policy)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # sharded params stay fp32
+    ids = tokens()
+    with torch.no_grad():
+        got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16  # computed in bf16
+    torch.testing.assert_close(got.float(), expected, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_cpu_offload_without_an_accelerator_changes_nothing(rank: int) -> None:
+    model = build("moe")
+    reference = copy.deepcopy(model)
+    rw.fsdp2_wrap(model, cpu_offload=True)
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert sharded and all(p.to_local().device.type == "cpu" for p in sharded)
+    _check_same_logits_and_step(model, reference, torch.bfloat16)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_config_architectures_are_kept(rank: int) -> None:
+    model = build("qwen2")
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    rw.fsdp2_wrap(model)
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.ranks(2)
+def test_wrapping_twice_is_refused(rank: int) -> None:
+    model = build("llama")
+    rw.fsdp2_wrap(model)
+    with pytest.raises(RuntimeError, match="already FSDP2-sharded"):
+        rw.fsdp2_wrap(model)
+
+
+def test_a_model_it_cannot_read_says_what_it_looked_for() -> None:
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot find the decoder layers of Sequential.*model\.layers.*transformer\.h",
+    ):
+        rw.fsdp2_wrap(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_layers_are_found_by_attribute_path_without_metadata() -> None:
+    from rankwise._fsdp import decoder_layers
+
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = nn.Module()
+            self.transformer.h = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    bare = Bare()
+    assert decoder_layers(bare) == list(bare.transformer.h)
+
+
+def test_off_dtype_params_are_chosen_by_element_count() -> None:
+    from rankwise._fsdp import off_dtype_params
+
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(2, 2).to(torch.float64))
+    assert off_dtype_params(model) == list(model[1].parameters())
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(100, 100).to(torch.float64))
+    assert off_dtype_params(model) == list(model[0].parameters())
+
+
+def test_is_fsdp2_model_on_a_plain_model() -> None:
+    assert not rw.is_fsdp2_model(build("gpt2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.ranks(2, backend="nccl", timeout=180)
+@pytest.mark.parametrize("arch", ["llama", "moe"])
+def test_wrap_on_nccl_with_cuda(arch: str, rank: int, device: Any) -> None:
+    model = build(arch).to(device)
+    reference = copy.deepcopy(model)
+    rw.fsdp2_wrap(model)
+    ids = tokens().to(device)
+    rtol, atol = TOLERANCE[torch.bfloat16 if arch == "moe" else torch.float32]
+    with torch.no_grad():
+        got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    assert dist.get_backend() == "nccl"
+
+
+@pytest.mark.gpu
+@pytest.mark.ranks(2, backend="nccl", timeout=180)
+def test_cpu_offload_on_cuda_keeps_off_dtype_params_on_the_gpu(rank: int, device: Any) -> None:
+    model = build("moe").to(device)
+    reference = copy.deepcopy(model)
+    rw.fsdp2_wrap(model, cpu_offload=True)
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            assert param.to_local().device.type == "cpu", name  # offloaded shards
+        else:
+            assert param.device == device and param.dtype == torch.float32, name  # router
+    ids = tokens().to(device)
+    with torch.no_grad():
+        got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
