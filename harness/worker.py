@@ -17,6 +17,7 @@ import ast
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import importlib
 import io
 import mmap
@@ -250,18 +251,37 @@ def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
     try:
         injector.at_start()
         value = fn(*args, **kwargs)
-    except SystemExit as exc:
-        _undo(kwargs)
-        _teardown_group()  # peers blocked on us fail now instead of at their timeout
-        return _ended(task, Ending.EXITED, exit_code=_exit_code(exc))
     except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            outcome = _ended(task, Ending.EXITED, exit_code=_exit_code(exc))
+        elif type(exc).__name__ == "Skipped":
+            outcome = _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
+        else:
+            outcome = _raised(task, exc)  # the traceback text, before its frames are cleared
         _undo(kwargs)
-        _teardown_group()
-        if type(exc).__name__ == "Skipped":
-            return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
-        return _raised(task, exc)
+        _release(exc)
+        del exc, args, kwargs
+        _teardown_group()  # peers blocked on us fail now instead of at their timeout
+        return outcome
     _undo(kwargs)
     return _returned(task, value)
+
+
+def _release(exc: BaseException) -> None:
+    """Drop what the failed test still holds, so tearing its group down really closes it.
+
+    The traceback's frames keep the test's locals alive (a model, its FSDP mesh, and through
+    them the process group); while anything holds the group its connections stay open and
+    peers blocked on this rank would wait instead of failing.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    gc.collect()
 
 
 def _undo(kwargs: dict[str, Any]) -> None:
