@@ -164,7 +164,7 @@ def test_is_fsdp2_model_on_a_plain_model() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.ranks(2, backend="nccl", timeout=180)
+@pytest.mark.ranks(1, 2, backend="nccl", timeout=180)
 @pytest.mark.parametrize("arch", ["llama", "moe"])
 def test_wrap_on_nccl_with_cuda(arch: str, rank: int, device: Any) -> None:
     model = build(arch).to(device)
@@ -179,7 +179,7 @@ def test_wrap_on_nccl_with_cuda(arch: str, rank: int, device: Any) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.ranks(2, backend="nccl", timeout=180)
+@pytest.mark.ranks(1, 2, backend="nccl", timeout=180)
 def test_cpu_offload_on_cuda_keeps_off_dtype_params_on_the_gpu(rank: int, device: Any) -> None:
     model = build("moe").to(device)
     reference = copy.deepcopy(model)
