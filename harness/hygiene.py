@@ -12,9 +12,9 @@ import threading
 from dataclasses import dataclass
 
 CHECKS = ("group", "threads", "env")
-# Variables torch and its compilers set for themselves on first use (a cache directory, say):
-# the test did not change them.
-LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_")
+# Variables libraries set for themselves on first use (torch's compile caches, Intel OpenMP's
+# KMP_* switches set when an MKL-linked package is imported): the test did not change them.
+LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_", "KMP_")
 
 
 @dataclass(frozen=True)
