@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
@@ -48,11 +49,11 @@ def machine() -> str:
     )
 
 
-# A conftest that records each test's wall time (setup + call + teardown) to a JSON file.
+# A conftest that records each test's wall time (setup + call + teardown) and its outcome.
 _TIMING_CONFTEST = """
 import json, os, time, pytest
 
-_times = {}
+_times, _outcomes = {}, {}
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
@@ -60,14 +61,18 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     _times[item.nodeid] = time.perf_counter() - start
 
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome != "passed":
+        _outcomes.setdefault(report.nodeid, report.outcome)
+
 def pytest_sessionfinish(session):
     with open(os.environ["BENCH_TIMES"], "w") as f:
-        json.dump(_times, f)
+        json.dump({"times": _times, "outcomes": _outcomes}, f)
 """
 
 
-def time_pytest_run(test_source: str, args: list[str], timeout: float = 600) -> dict[str, float]:
-    """Run pytest on one generated test file; return each test's wall time in seconds."""
+def run_pytest(test_source: str, args: list[str], timeout: float = 600) -> dict[str, Any]:
+    """Run pytest on one generated test file: {"times": {id: s}, "outcomes": {id: outcome}}."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         folder = Path(tmp)
         (folder / "conftest.py").write_text(_TIMING_CONFTEST)
@@ -82,4 +87,11 @@ def time_pytest_run(test_source: str, args: list[str], timeout: float = 600) -> 
             check=False,
             capture_output=True,
         )
-        return json.loads(times.read_text()) if times.exists() else {}
+        if not times.exists():
+            return {"times": {}, "outcomes": {}}
+        return json.loads(times.read_text())  # type: ignore[no-any-return]
+
+
+def time_pytest_run(test_source: str, args: list[str], timeout: float = 600) -> dict[str, float]:
+    """Each test's wall time in seconds, in run order."""
+    return run_pytest(test_source, args, timeout)["times"]  # type: ignore[no-any-return]

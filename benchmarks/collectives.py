@@ -139,7 +139,7 @@ def run_world(job: str, arg: Any = None) -> Any:
         return results.get()
 
 
-def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> list[str]:
+def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> tuple[list[str], list[Any]]:
     lines = ["## Library: gather_bytes vs gather_object (4 ranks, gloo, receiving rank)", ""]
     lines += [
         "| per rank | gather_bytes time | gather_object time | time ratio | "
@@ -147,10 +147,12 @@ def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     holds = []
+    rows: list[Any] = []
     for size in sizes_mib:
         ours_t, ours_mem = run_world("gather", ("gather_bytes", size * MIB))
         theirs_t, theirs_mem = run_world("gather", ("gather_object", size * MIB))
         a, b = Sample.of(ours_t), Sample.of(theirs_t)
+        rows.append((size, a, b, ours_mem / MIB, theirs_mem / MIB))
         lines.append(
             f"| {size} MiB | {a.ms()} | {b.ms()} | {b.median / a.median:.2f}x | "
             f"{ours_mem / MIB:.0f} MiB | {theirs_mem / MIB:.0f} MiB |"
@@ -203,4 +205,4 @@ def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> list[str]:
 
 if __name__ == "__main__":
     sizes = tuple(int(a) for a in sys.argv[1:]) or (1, 16, 64, 256)
-    print("\n".join(main(sizes)))
+    print("\n".join(main(sizes)[0]))

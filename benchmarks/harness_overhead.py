@@ -1,14 +1,23 @@
-"""Per-test overhead of a trivial multi-rank test: the harness against torch's test bases.
+"""The harness against torch's test bases and torchrun, side by side in one run.
 
-Each figure is the median wall time per test (setup, call and teardown) after the first test
-of a run (which starts the pool), measured side by side in one run.
+- Per-test overhead of a trivial test (all_reduce + teardown) at 2, 4 and 8 ranks.
+- Time to a report when rank 1 fails while the others wait in a collective.
+- What each runner reports when rank 1 calls sys.exit(3).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-from benchmarks._common import Sample, time_pytest_run
+from benchmarks._common import Sample, run_pytest, time_pytest_run
+
+SIZES = (2, 4, 8)
+PEER_TIMEOUT_S = 10  # the short group timeout given to the peers' failure runs
 
 OURS = """
 import pytest, torch, torch.distributed as dist
@@ -20,51 +29,151 @@ def test_trivial(i):
     dist.all_reduce(t)
 """
 
-# torch's MultiProcessTestCase: spawns a fresh process per rank for every test.
 MULTI_PROCESS = """
+from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 class Trivial(MultiProcessTestCase):
-    world_size = {world}
+    @property
+    def world_size(self):
+        return {world}
 
     def setUp(self):
         super().setUp()
         self._spawn_processes()
 
-    def _trivial(self):
+    def _group(self):
         store = dist.FileStore(self.file_name, self.world_size)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds={timeout}))
 
 {methods}
 """
 
+CONTINUOUS = """
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
 
-def _multi_process_source(world: int, count: int) -> str:
-    methods = "\n".join(
-        f"    def test_trivial_{i}(self):\n        self._trivial()\n" for i in range(count)
-    )
-    return MULTI_PROCESS.format(world=world, methods=methods)
+class Trivial(MultiProcContinuousTest):
+    world_size = {world}
+    timeout = timedelta(seconds={timeout})
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+    def _group(self):
+        pass  # the class's ranks share one group
+
+{methods}
+"""
+
+THREADED = """
+import torch, torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
+class Trivial(MultiThreadedTestCase):
+    @property
+    def world_size(self):
+        return {world}
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def _group(self):
+        pass  # the threaded world sets the group up
+
+{methods}
+"""
+
+_INDENT = " " * 8
+BODIES = {
+    name: "".join(f"{_INDENT}{line}\n" for line in ["self._group()", *body])
+    for name, body in {
+        "trivial": ["t = torch.ones(1)", "dist.all_reduce(t)"],
+        "fail": ["if self.rank == 1:", "    assert False, 'rank 1'", "dist.barrier()"],
+        "exit": ["if self.rank == 1:", "    import sys; sys.exit(3)"],
+    }.items()
+}
+
+OURS_FAIL = """
+import pytest, torch.distributed as dist
+
+@pytest.mark.ranks({world})
+@pytest.mark.parametrize("i", range({count}))
+def test_fail(i, rank):
+    if rank == 1:
+        assert False, "rank 1"
+    dist.barrier()
+"""
+
+OURS_EXIT = """
+import sys, pytest
+
+@pytest.mark.ranks(2)
+def test_exit(rank):
+    if rank == 1:
+        sys.exit(3)
+"""
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
 
 
-def after_warmup(times: dict[str, float]) -> list[float]:
+def _peer_source(template: str, world: int, count: int, body: str) -> str:
+    methods = "".join(f"    def test_{i}(self):\n{BODIES[body]}\n" for i in range(count))
+    return template.format(world=world, methods=methods, timeout=PEER_TIMEOUT_S)
+
+
+def _after_first(times: dict[str, float]) -> Sample:
     values = list(times.values())
-    return values[1:] if len(values) > 1 else values
+    return Sample.of(values[1:] if len(values) > 1 else values)
 
 
-def ours(world: int, count: int = 40) -> tuple[Sample, float]:
-    """(per-test sample, first test including the pool start) for the harness."""
+def ours(world: int, count: int = 30) -> tuple[Sample, float]:
     times = time_pytest_run(OURS.format(world=world, count=count), ["-p", "harness"])
-    first = next(iter(times.values()))
-    return Sample.of(after_warmup(times)), first
+    return _after_first(times), next(iter(times.values()))
 
 
-def multi_process_test_case(world: int, count: int = 4) -> Sample:
-    times = time_pytest_run(_multi_process_source(world, count), ["-p", "no:harness"])
-    return Sample.of(list(times.values()))
+def peer(template: str, world: int, count: int, body: str = "trivial") -> Sample:
+    times = time_pytest_run(_peer_source(template, world, count, body), ["-p", "no:harness"])
+    return _after_first(times) if template is not MULTI_PROCESS else Sample.of(list(times.values()))
+
+
+def torchrun(world: int, repeats: int = 3) -> Sample:
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "trivial.py"
+        script.write_text(TORCHRUN_SCRIPT)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    str(script),
+                ],
+                check=True,
+                capture_output=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            samples.append(time.perf_counter() - start)
+    return Sample.of(samples)
 
 
 def pool_start(world: int = 4, repeats: int = 3) -> Sample:
@@ -86,33 +195,110 @@ def pool_start(world: int = 4, repeats: int = 3) -> Sample:
     return Sample.of(samples)
 
 
-def main() -> list[str]:
-    lines = ["## Harness: per-test overhead of a trivial 4-rank test", ""]
-    mine, first = ours(4)
-    theirs = multi_process_test_case(4)
-    ratio = theirs.median / mine.median
+def overhead_section(results: dict[str, dict[int, Sample]]) -> list[str]:
+    lines = ["## Harness: per-test overhead of a trivial test (all_reduce + teardown)", ""]
+    lines += ["| runner | " + " | ".join(f"{w} ranks" for w in SIZES) + " |"]
+    lines += ["|---|" + "---|" * len(SIZES)]
+    for name, by_size in results.items():
+        cells = [by_size[w].ms() if w in by_size else "-" for w in SIZES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ours4 = results["harness (warm ranks)"][4].median
+    lines += ["", "Ratio to the harness at 4 ranks (median over median):", ""]
+    for name, by_size in results.items():
+        if name.startswith("harness") or 4 not in by_size:
+            continue
+        lines.append(f"- {name}: {by_size[4].median / ours4:.1f}x")
+    return [*lines, ""]
+
+
+def main() -> tuple[list[str], dict[str, dict[int, Sample]]]:
+    results: dict[str, dict[int, Sample]] = {
+        name: {}
+        for name in (
+            "harness (warm ranks)",
+            "torch MultiProcessTestCase (spawn per test)",
+            "torch MultiProcContinuousTest (warm per class)",
+            "torchrun subprocess per test",
+            "torch MultiThreadedTestCase (threads)",
+        )
+    }
+    first_test = 0.0
+    for world in SIZES:
+        sample, first = ours(world)
+        results["harness (warm ranks)"][world] = sample
+        first_test = max(first_test, first)
+        results["torch MultiProcessTestCase (spawn per test)"][world] = peer(
+            MULTI_PROCESS, world, 2 if world == 8 else 3
+        )
+        results["torch MultiProcContinuousTest (warm per class)"][world] = peer(
+            CONTINUOUS, world, 10
+        )
+        results["torchrun subprocess per test"][world] = torchrun(world, 2 if world == 8 else 3)
+        results["torch MultiThreadedTestCase (threads)"][world] = peer(THREADED, world, 10)
+        print(f"  overhead at {world} ranks measured", flush=True)
+    lines = overhead_section(results)
     start = pool_start(4)
+    mine = results["harness (warm ranks)"][4].median
+    mptc = results["torch MultiProcessTestCase (spawn per test)"][4].median
     lines += [
-        "| runner | per test (median, spread) |",
-        "|---|---|",
-        f"| harness (warm forkserver ranks) | {mine.ms()} |",
-        f"| torch MultiProcessTestCase (spawn per test) | {theirs.ms()} |",
-        "",
-        f"- ratio: MultiProcessTestCase / harness = **{ratio:.0f}x**",
-        f"- pool start for 4 ranks (forkserver running): {start.ms()}; first test of the "
-        f"session including forkserver start with torch import: {first:.2f} s",
-        "",
-        "Targets:",
-        f"- {'HOLDS' if mine.median < 0.060 else 'MISSED'}: harness median under 60 ms "
-        f"({mine.median * 1e3:.1f} ms)",
-        f"- {'HOLDS' if ratio >= 40 else 'MISSED'}: at least 40x faster than "
-        f"MultiProcessTestCase ({ratio:.0f}x)",
-        f"- {'HOLDS' if start.median < 2.0 else 'MISSED'}: pool start for 4 ranks under 2 s "
-        f"({start.median:.2f} s)",
+        f"- pool start for 4 ranks (forkserver running): {start.ms()}; the slowest first test of "
+        f"a session, including the forkserver's start with torch imported: {first_test:.2f} s",
         "",
     ]
-    return lines
+    lines += failure_section()
+    lines += [
+        "Targets:",
+        f"- {'HOLDS' if mine < 0.060 else 'MISSED'}: harness trivial 4-rank test median under "
+        f"60 ms ({mine * 1e3:.1f} ms)",
+        f"- {'HOLDS' if mptc / mine >= 40 else 'MISSED'}: at least 40x faster than "
+        f"MultiProcessTestCase ({mptc / mine:.0f}x)",
+        f"- {'HOLDS' if start.median < 2.0 else 'MISSED'}: pool start for 4 ranks under 2 s "
+        f"({start.median:.2f} s)",
+        f"- {'HOLDS' if _last_failure_report < 2.0 else 'MISSED'}: report of a one-rank failure "
+        f"under 2 s ({_last_failure_report:.2f} s)",
+        "",
+    ]
+    return lines, results
+
+
+_last_failure_report = float("inf")
+
+
+def failure_section() -> list[str]:
+    global _last_failure_report
+    lines = [
+        "## Harness: rank 1 fails while the others wait in barrier() (4 ranks)",
+        "",
+        f"The peers' group timeout is set to {PEER_TIMEOUT_S} s here (torch's default is 30 "
+        "minutes); the harness needs none.",
+        "",
+        "| runner | time to a report | rank 1's sys.exit(3) is reported as |",
+        "|---|---|---|",
+    ]
+    mine = _after_first(time_pytest_run(OURS_FAIL.format(world=4, count=4), ["-p", "harness"]))
+    _last_failure_report = mine.median
+    ours_exit = _outcome(run_pytest(OURS_EXIT, ["-p", "harness"]))
+    lines.append(f"| harness | {mine.ms()} | {ours_exit} |")
+    for name, template in (
+        ("torch MultiProcessTestCase", MULTI_PROCESS),
+        ("torch MultiProcContinuousTest", CONTINUOUS),
+        ("torch MultiThreadedTestCase", THREADED),
+    ):
+        failed = run_pytest(_peer_source(template, 4, 1, "fail"), ["-p", "no:harness"])
+        exited = run_pytest(_peer_source(template, 2, 1, "exit"), ["-p", "no:harness"])
+        seconds = Sample.of(list(failed["times"].values()) or [float("nan")])
+        lines.append(f"| {name} | {seconds.s()} ({_outcome(failed)}) | {_outcome(exited)} |")
+    return [*lines, ""]
+
+
+def _outcome(run: dict[str, dict[str, str]]) -> str:
+    outcomes = list(run["outcomes"].values())
+    if not outcomes:
+        return "no result"
+    return (
+        "**passed** (a false green)" if outcomes == ["passed"] else ", ".join(sorted(set(outcomes)))
+    )
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print("\n".join(main()[0]))

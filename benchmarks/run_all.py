@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark in one go; writes benchmarks/results.md (and plots)."""
+"""`make bench`: every benchmark in one go; writes benchmarks/results.md and the plots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import collectives, harness_overhead
+from benchmarks import collectives, harness_overhead, plots, suite
 from benchmarks._common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -17,14 +17,25 @@ def main() -> int:
     lines = [
         "# Benchmark results",
         "",
-        f"Machine: {machine()}. Produced by `make bench` on {time.strftime('%Y-%m-%d')}; each "
-        "figure is a median with its spread (min-max) over the runs shown, and each ratio "
-        "compares two runners measured side by side in the same run.",
+        f"Machine: {machine()}. Produced by `make bench` on {time.strftime('%Y-%m-%d')}. Each "
+        "figure is a median with its spread (min-max) over the runs shown; each ratio compares "
+        "two runners measured side by side in the same run.",
+        "",
+        "![per-test overhead against world size](overhead.png)",
+        "",
+        "![gather_bytes against gather_object](gather.png)",
         "",
     ]
-    for section in (harness_overhead.main, collectives.main):
-        lines += section()
-        print("\n".join(lines[-3:]), flush=True)
+    print("measuring the harness against its peers...", flush=True)
+    section, overheads = harness_overhead.main()
+    lines += section
+    plots.overhead_plot(overheads)
+    print("measuring a whole suite...", flush=True)
+    lines += suite.main()
+    print("measuring the library against torch's object collectives...", flush=True)
+    section, rows = collectives.main()
+    lines += section
+    plots.gather_plot(rows)
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
     RESULTS.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
