@@ -264,7 +264,10 @@ def _skip_without_gpus(needed: int) -> None:
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < needed:
-        pytest.skip(f"needs {needed} CUDA GPU(s), this machine has {have}")
+        # Reported at the test's own location, not this line.
+        raise pytest.skip.Exception(
+            f"needs {needed} CUDA GPU(s), this machine has {have}", _use_item_location=True
+        )
 
 
 # ---- fixtures ------------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""Logic with no rank processes: result routing, root-cause choice, report text."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any
+
+from harness.outcome import Ending, RankOutcome, diagnose, summary_line
+from harness.pool import _Run
+from harness.protocol import Kind, Message, RunTask, Target
+
+
+class _FakeProcess:
+    def __init__(self) -> None:
+        self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self.sentinel = self._reader  # never ready: the "rank" stays alive
+        self.exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+class _FakeSlot:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.pid = rank, os.getpid()
+        self.conn, self.rank_end = multiprocessing.Pipe()
+        self.process = _FakeProcess()
+        self.stacks = None  # never read: the test replaces dump_stacks
+
+    def read_output(self) -> str:
+        return ""
+
+    def read_where(self) -> str:
+        return ""
+
+
+class _FakePool:
+    def __init__(self, size: int) -> None:
+        self.slots = [_FakeSlot(r) for r in range(size)]
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _task(key: str, rank: int = 0) -> RunTask:
+    target = Target("tests.harness.test_logic", None, "_task")
+    return RunTask(key, rank, 1, "gloo", "cpu", 10.0, "127.0.0.1", 1, "p/", None, 0, target, b"")
+
+
+def test_a_late_result_of_an_earlier_run_is_never_credited() -> None:
+    pool = _FakePool(2)
+    for slot in pool.slots:  # each rank first answers an old run, then this one
+        slot.rank_end.send(
+            Message(Kind.RESULT, RankOutcome("old-run", slot.rank, 1, Ending.RAISED))
+        )
+        slot.rank_end.send(
+            Message(Kind.RESULT, RankOutcome("this-run", slot.rank, 1, Ending.RETURNED))
+        )
+    run = _Run(pool, [_task("this-run", 0), _task("this-run", 1)], timeout_s=10)  # type: ignore[arg-type]
+    outcomes = run.collect()
+    assert [(o.key, o.ending) for o in outcomes] == [("this-run", Ending.RETURNED)] * 2
+    assert not pool.closed
+
+
+def test_only_late_results_mean_a_hang() -> None:
+    pool = _FakePool(1)
+    pool.slots[0].rank_end.send(Message(Kind.RESULT, RankOutcome("old-run", 0, 1, Ending.RETURNED)))
+    import harness.pool as pool_module
+
+    dumped: list[Any] = []
+    original = pool_module.dump_stacks
+    pool_module.dump_stacks = lambda ranks: dumped.append(ranks) or {}  # type: ignore[assignment]
+    try:
+        outcomes = _Run(pool, [_task("this-run")], timeout_s=0.3).collect()  # type: ignore[arg-type]
+    finally:
+        pool_module.dump_stacks = original
+    assert outcomes[0].ending is Ending.HUNG and outcomes[0].key == "this-run"
+    assert dumped and pool.closed
+
+
+def _outcome(rank: int, ending: Ending, at: float, **fields: Any) -> RankOutcome:
+    return RankOutcome("k", rank, 100 + rank, ending, at=at, **fields)
+
+
+def test_root_cause_is_the_first_failure_a_peer_did_not_cause() -> None:
+    collateral = dict(
+        exc_type="torch.distributed.DistBackendError", message="Connection closed by peer"
+    )
+    outcomes = [
+        _outcome(0, Ending.RAISED, 1.0, **collateral),  # first in time, but caused by rank 2
+        _outcome(1, Ending.RETURNED, 1.5),
+        _outcome(2, Ending.SIGNALLED, 2.0, signal=9),
+        _outcome(3, Ending.RAISED, 3.0, exc_type="builtins.ValueError", message="own bug"),
+    ]
+    diagnosis = diagnose(outcomes, [0, 2, 3])
+    assert (diagnosis.root, diagnosis.collateral, diagnosis.independent) == (2, (0,), (3,))
+    assert summary_line(outcomes, diagnosis) == (
+        "rank 2 failed: died of SIGKILL; rank 3 also failed; rank 0 collateral"
+    )
+
+
+def test_a_rank_outside_any_collective_is_the_root_of_a_hang() -> None:
+    waiting = 'File "/x/torch/distributed/distributed_c10d.py", line 1 in all_gather'
+    outcomes = [
+        _outcome(0, Ending.HUNG, 5.0, stack=waiting),
+        _outcome(1, Ending.HUNG, 5.0, stack='File "/x/train.py", line 3 in step'),
+    ]
+    diagnosis = diagnose(outcomes, [0, 1])
+    assert (diagnosis.root, diagnosis.collateral) == (1, (0,))
+    assert outcomes[0].describe() == "hung in all_gather"
