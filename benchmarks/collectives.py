@@ -200,7 +200,7 @@ def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> tuple[list[str], list
         "Targets:",
     ]
     lines += [f"- {'HOLDS' if ok else 'MISSED'}: {name} ({detail})" for name, ok, detail in holds]
-    return [*lines, ""]
+    return [*lines, ""], rows
 
 
 if __name__ == "__main__":

@@ -30,17 +30,23 @@ def main() -> int:
     section, overheads = harness_overhead.main()
     lines += section
     plots.overhead_plot(overheads)
+    _write(lines)  # each section is saved as it completes
     print("measuring a whole suite...", flush=True)
     lines += suite.main()
+    _write(lines)
     print("measuring the library against torch's object collectives...", flush=True)
     section, rows = collectives.main()
     lines += section
     plots.gather_plot(rows)
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
-    RESULTS.write_text("\n".join(lines) + "\n")
+    _write(lines)
     print("\n".join(lines))
     print(f"\nwrote {RESULTS}")
     return 1 if any(line.startswith("- MISSED") for line in lines) else 0
+
+
+def _write(lines: list[str]) -> None:
+    RESULTS.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
