@@ -550,28 +550,32 @@ class RankRunner:
         **kwargs: Any,
     ) -> WorldOutcome:
         target = _function_target(fn)
-        size = world_size if world_size is not None else _option(self._config, "ranks")
         chosen_backend = backend or _option(self._config, "rank_backend")
         if chosen_backend not in BACKENDS:
             raise ValueError(f"run_on_ranks: invalid backend {chosen_backend!r}; use gloo or nccl")
+        try:
+            size = _positive_int(
+                world_size if world_size is not None else _option(self._config, "ranks"),
+                "run_on_ranks(world_size=...)",
+            )
+            seconds = _positive_seconds(
+                timeout
+                if timeout is not None
+                else _option(self._config, "rank_timeout") or DEFAULT_TIMEOUT_S,
+                "run_on_ranks(timeout=...)",
+            )
+        except pytest.UsageError as exc:  # a bad argument, not a bad command line
+            raise ValueError(str(exc)) from None
         if chosen_backend == "nccl":
             _skip_without_gpus(size)
         spec = RankSpec(
-            world_size=_positive_int(size, "run_on_ranks(world_size=...)"),
-            timeout_s=_positive_seconds(
-                timeout
-                if timeout is not None
-                else (_option(self._config, "rank_timeout") or DEFAULT_TIMEOUT_S),
-                "run_on_ranks(timeout=...)",
-            ),
+            world_size=size,
+            timeout_s=seconds,
             backend=chosen_backend,
             start_method=_option(self._config, "rank_start_method"),
             launch=launch,
+            faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
         )
-        checked = tuple(
-            fault_specs.validate(f, spec.world_size, "run_on_ranks(faults=...)") for f in faults
-        )
-        spec = RankSpec(**{**spec.__dict__, "faults": checked})
         return WorldOutcome(_run(self._config, spec, target, args, kwargs))
 
 

@@ -285,3 +285,26 @@ def test_pytest_driven_from_stdin_starts_ranks(pytester: pytest.Pytester) -> Non
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+def test_run_on_ranks_rejects_bad_arguments_with_value_errors(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from harness import Fault
+
+        def work():
+            return 1
+
+        @pytest.mark.parametrize(("kwargs", "message"), [
+            ({"world_size": 0}, "invalid world size 0 from run_on_ranks"),
+            ({"timeout": -1}, "invalid timeout -1 from run_on_ranks"),
+            ({"backend": "mpi"}, "invalid backend 'mpi'"),
+            ({"faults": [Fault(rank=5)]}, "invalid fault rank 5 from run_on_ranks"),
+        ])
+        def test_bad(run_on_ranks, kwargs, message):
+            with pytest.raises(ValueError, match=message):
+                run_on_ranks(work, **kwargs)
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=4)
