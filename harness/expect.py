@@ -71,6 +71,7 @@ class Expected:
 
 
 def returns() -> Expected:
+    """Returns normally (the expectation for every rank without a marker)."""
     return Expected("returns")
 
 

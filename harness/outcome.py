@@ -15,6 +15,8 @@ from typing import Any
 
 
 class Ending(enum.Enum):
+    """How a rank's run ended."""
+
     RETURNED = "returned"
     RAISED = "raised"
     EXITED = "exited"  # SystemExit raised in the body; the worker lives on
