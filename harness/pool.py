@@ -31,8 +31,6 @@ from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import Kind, Message, RunTask, Target
 from harness.stacks import dump_stacks
 
-START_METHODS = ("forkserver", "spawn", "fork")
-BACKENDS = ("gloo", "nccl")
 # After one rank fails, how long its peers get to finish before they count as hung. gloo
 # peers fail within milliseconds once the failing rank tears its group down.
 FAILURE_GRACE_S = 5.0

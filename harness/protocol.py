@@ -57,8 +57,6 @@ class RunTask:
     hygiene: frozenset[str] = frozenset()  # the leftover checks to make after the body
 
 
-Payload = Ready | RunTask | RankOutcome
-
 PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.READY: Ready,
     Kind.RUN: RunTask,
