@@ -54,10 +54,10 @@ def _world(rank: int, store_path: str, job: str, arg: Any, results: Any) -> None
             dist.destroy_process_group()
 
 
-def _gather(rank: int, args: tuple[str, int]) -> tuple[list[float], int]:
+def _gather(rank: int, args: tuple[Any, ...]) -> tuple[list[float], int]:
     import rankwise as rw
 
-    method, size = args
+    method, size, *chunk = args
     data = bytes([rank % 256]) * size
     baseline = _rss_bytes()
     times = []
@@ -65,7 +65,7 @@ def _gather(rank: int, args: tuple[str, int]) -> tuple[list[float], int]:
         dist.barrier()
         start = time.perf_counter()
         if method == "gather_bytes":
-            out: Any = rw.gather_bytes(data, dst=0)
+            out: Any = rw.gather_bytes(data, dst=0, chunk_bytes=chunk[0] if chunk else 256 * MIB)
         else:
             out = [None] * WORLD if rank == 0 else None
             dist.gather_object(data, out, dst=0)
