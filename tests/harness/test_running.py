@@ -308,3 +308,26 @@ def test_run_on_ranks_rejects_bad_arguments_with_value_errors(inner: pytest.Pyte
         """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
+
+
+def test_last_failed_and_exit_first_work_with_rank_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks
+        def test_a_fails(rank):
+            assert rank == 0
+
+        @pytest.mark.ranks
+        def test_b_passes(rank):
+            pass
+        """
+    )
+    first = pytester.runpytest("-p", "harness", "-p", "cacheprovider")
+    first.assert_outcomes(failed=1, passed=1)
+    again = pytester.runpytest("-p", "harness", "-p", "cacheprovider", "--lf", "-v")
+    again.assert_outcomes(failed=1)  # only the failed test ran again
+    again.stdout.no_fnmatch_line("*test_b_passes*")
+    stopped = pytester.runpytest("-p", "harness", "-x")
+    stopped.assert_outcomes(failed=1)  # test_b_passes never ran
