@@ -145,6 +145,21 @@ def run_world(job: str, arg: Any = None) -> Any:
         return results.get()
 
 
+def chunk_section() -> list[str]:
+    """gather_bytes of 64 MiB per rank with smaller and smaller chunks: the peak follows."""
+    lines = ["", "## Library: gather_bytes memory against chunk_bytes (64 MiB per rank)", ""]
+    lines += ["| chunk_bytes | time | peak RSS growth on dst |", "|---|---|---|"]
+    for chunk in (4, 16, 64):
+        times, peak = run_world("gather", ("gather_bytes", 64 * MIB, chunk * MIB))
+        lines.append(f"| {chunk} MiB | {Sample.of(times).ms()} | {peak / MIB:.0f} MiB |")
+    return [
+        *lines,
+        "",
+        "The receiving rank must hold the 4 x 64 MiB it gathers; the chunk size bounds the "
+        "transfer's working memory above that (gloo's flat receive buffer is ranks x chunk).",
+    ]
+
+
 def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> tuple[list[str], list[Any]]:
     lines = ["## Library: gather_bytes vs gather_object (4 ranks, gloo, receiving rank)", ""]
     lines += [
@@ -178,6 +193,7 @@ def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> tuple[list[str], list
                     f"{ours_mem / MIB:.0f} vs {theirs_mem / MIB:.0f} MiB",
                 )
             )
+    lines += chunk_section()
     lines += [
         "",
         "## Library: labelled collectives vs torch's object collectives (small value)",
