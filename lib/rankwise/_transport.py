@@ -21,14 +21,7 @@ def exchange_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def to_tensor(data: bytes | bytearray | memoryview, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor holding `data` (one host copy), on `device`."""
-    if len(data) == 0:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def send_buffer(piece: memoryview, width: int, device: torch.device) -> torch.Tensor:
+def send_buffer(piece: bytes | memoryview, width: int, device: torch.device) -> torch.Tensor:
     """A `width`-byte tensor on `device` holding `piece`, zero-padded: one copy of the data."""
     host = torch.empty(width, dtype=torch.uint8)
     if len(piece):
@@ -76,8 +69,7 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     dist.all_gather(lengths, length, group=group)
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = to_tensor(data, device)
+    mine = send_buffer(memoryview(data), longest, device)
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(count)]
     dist.all_gather(gathered, mine, group=group)
     return [to_bytes(t, n) for t, n in zip(gathered, sizes, strict=False)]
@@ -90,7 +82,7 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
     dist.broadcast(length, src, group=group)
     size = int(length.item())
     if data is not None:
-        buffer = to_tensor(data, device)
+        buffer = send_buffer(memoryview(data), size, device)
     else:
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
