@@ -160,7 +160,7 @@ class Injector:
         if not self.faults:
             yield self
             return
-        points = _rankwise_points()
+        points = rankwise_points()
         if points is not None:
             points.add_observer(self.observe)
         _active = self
@@ -184,7 +184,8 @@ def fault_point(name: str) -> None:
         _active._passed(f"point:{name}", name)
 
 
-def _rankwise_points() -> Any:
+def rankwise_points() -> Any:
+    """rankwise's points module, or None where rankwise is not installed."""
     try:
         from rankwise import _points
     except ImportError:

@@ -123,6 +123,13 @@ def signal_name(signum: int | None) -> str:
         return f"signal {signum}"
 
 
+def exit_code(exc: SystemExit) -> int:
+    """The process exit status `exc` stands for: None is 0, a message (printed by Python) is 1."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
 def outcome_from_exitcode(
     key: str, rank: int, pid: int, exitcode: int | None, at: float
 ) -> RankOutcome:

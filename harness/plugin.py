@@ -365,7 +365,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if spec is None:
         return None
     target = _test_target(pyfuncitem)
-    kwargs = _sendable_funcargs(pyfuncitem)
+    args_blob = _sendable_funcargs(pyfuncitem)
     extra = pyfuncitem._request.getfixturevalue("rank_faults")
     if extra:
         origin = f"the rank_faults fixture of {pyfuncitem.nodeid}"
@@ -374,7 +374,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         except fault_specs.FaultError as exc:
             pytest.fail(str(exc), pytrace=False)
         spec = RankSpec(**{**spec.__dict__, "faults": spec.faults + more})
-    outcomes = _run(pyfuncitem.config, spec, target, (), kwargs)
+    outcomes = _run(pyfuncitem.config, spec, target, args_blob)
     _record_leftovers(pyfuncitem, outcomes)
     _judge(pyfuncitem.nodeid, spec, outcomes)
     return True
@@ -408,14 +408,25 @@ def _test_target(item: pytest.Function) -> Target:
     return Target(module.__name__, getattr(module, "__file__", None), qualname)
 
 
-def _sendable_funcargs(item: pytest.Function) -> dict[str, Any]:
-    """The test's arguments resolved here, each checked to survive the trip to a rank."""
-    kwargs: dict[str, Any] = {}
-    for name in item._fixtureinfo.argnames:
-        value = item.funcargs[name]
-        if name in RANK_SIDE:
-            kwargs[name] = None  # the rank fills it in
-            continue
+def _sendable_funcargs(item: pytest.Function) -> bytes:
+    """The test's arguments resolved here, pickled for the trip to the ranks.
+
+    A value that cannot travel fails the test naming its fixture; each value is pickled on
+    its own only then, to find it.
+    """
+    kwargs = {
+        name: None if name in RANK_SIDE else item.funcargs[name]  # the rank fills RANK_SIDE
+        for name in item._fixtureinfo.argnames
+    }
+    try:
+        return pickle.dumps(((), kwargs))
+    except Exception:
+        _fail_naming_the_fixture(item, kwargs)
+        raise  # no single value is to blame: the error as pickle gave it
+
+
+def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
         try:
             pickle.dumps(value)
         except Exception as exc:
@@ -425,23 +436,21 @@ def _sendable_funcargs(item: pytest.Function) -> dict[str, Any]:
                 f"inside the test body",
                 pytrace=False,
             )
-        kwargs[name] = value
-    return kwargs
 
 
 def _run(
     config: pytest.Config,
     spec: RankSpec,
     target: Target,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args_blob: bytes,
 ) -> list[RankOutcome]:
-    from harness.pool import PoolKey, RunRequest, pickle_args
+    """Run `target` with the pickled (args, kwargs) on every rank of `spec`'s pool."""
+    from harness.pool import PoolKey, RunRequest
 
     key = PoolKey(spec.world_size, spec.backend, spec.start_method)
     request = RunRequest(
         target=target,
-        args_blob=pickle_args(args, kwargs),
+        args_blob=args_blob,
         timeout_s=spec.timeout_s,
         launch=spec.launch,
         device_for_rank=_device_for(spec.backend),
@@ -576,7 +585,7 @@ class RankRunner:
             launch=launch,
             faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
         )
-        return WorldOutcome(_run(self._config, spec, target, args, kwargs))
+        return WorldOutcome(_run(self._config, spec, target, pickle.dumps((args, kwargs))))
 
 
 def _function_target(fn: Callable[..., Any]) -> Target:

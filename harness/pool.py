@@ -14,7 +14,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -398,7 +397,3 @@ def _alive(pid: int) -> bool:
         except OSError:
             return False
         return not sys.platform.startswith("linux")
-
-
-def pickle_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    return pickle.dumps((args, kwargs))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from harness.outcome import Ending
+from harness.outcome import Ending, exit_code
 
 
 @pytest.fixture
@@ -153,8 +153,7 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
             if exc.code == _WOKEN_BY_PEER:  # torch ends a waiting peer so when a rank fails
                 ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc, collateral=True)
                 return
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            ends[rank] = ThreadRank(rank, Ending.EXITED, error=exc, exit_code=code)
+            ends[rank] = ThreadRank(rank, Ending.EXITED, error=exc, exit_code=exit_code(exc))
             ProcessLocalGroup.exception_handle(exc)  # wake the peers waiting on this rank
         except BaseException as exc:
             ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc)

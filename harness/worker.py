@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from harness import hygiene
-from harness.faults import Injector
-from harness.outcome import Ending, RankOutcome
+from harness.faults import Injector, rankwise_points
+from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import Kind, Message, Ready, RunTask
 
 _PR_SET_PDEATHSIG = 1
@@ -139,11 +139,9 @@ class _WhereBoard:
         self._stack: list[str] = []
 
     def install(self) -> None:
-        try:
-            from rankwise import _points
-        except ImportError:  # harness used without rankwise: nothing to observe
-            return
-        _points.add_observer(self.observe)
+        points = rankwise_points()
+        if points is not None:  # harness used without rankwise: nothing to observe
+            points.add_observer(self.observe)
 
     def observe(self, phase: str, kind: str, label: str) -> None:
         if phase == "enter":
@@ -253,7 +251,9 @@ def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
         value = fn(*args, **kwargs)
     except BaseException as exc:
         if isinstance(exc, SystemExit):
-            outcome = _ended(task, Ending.EXITED, exit_code=_exit_code(exc))
+            if not isinstance(exc.code, int | None):
+                print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
+            outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
         elif type(exc).__name__ == "Skipped":
             outcome = _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
         else:
@@ -306,15 +306,6 @@ def _new_monkeypatch() -> Any:
     import pytest
 
     return pytest.MonkeyPatch()
-
-
-def _exit_code(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 def _ended(task: RunTask, ending: Ending, **fields: Any) -> RankOutcome:
