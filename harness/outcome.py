@@ -147,10 +147,6 @@ class Diagnosis:
     collateral: tuple[int, ...]
     independent: tuple[int, ...]  # failed on their own account, after the root cause
 
-    @property
-    def failed(self) -> bool:
-        return self.root is not None
-
 
 def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosis:
     """Pick the root cause among the `failed` ranks: the first in time that a peer did not cause."""
