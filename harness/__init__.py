@@ -13,7 +13,7 @@ from harness.assertions import assert_close_across_ranks, assert_on_all_ranks
 from harness.expect import Expected, aborts, exits, hangs, killed, raises, returns
 from harness.faults import Fault, fault_point
 from harness.outcome import Ending, RankOutcome
-from harness.plugin import RankRunner, WorldOutcome
+from harness.runner import RankRunner, WorldOutcome
 from harness.simulate import ThreadedWorldError
 
 __all__ = [

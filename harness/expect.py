@@ -14,65 +14,94 @@ Imports no torch.
 
 from __future__ import annotations
 
+import enum
 import re
 import signal as signals
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.errors import SpecError, invalid
 from harness.outcome import Ending, RankOutcome, signal_name
 
 # rankwise.abort()'s exit status (rankwise._run.ABORT_EXIT_CODE; a test pins the two together).
 RANKWISE_ABORT_EXIT_CODE = 70
 
 
-class ExpectationError(ValueError):
+class ExpectationError(SpecError):
     """An expected-outcome declaration that does not make sense; says where it came from."""
+
+
+class Wanted(enum.Enum):
+    """The ways a rank may be expected to end."""
+
+    RETURNS = "returns"
+    RAISES = "raises"
+    EXITS = "exits"
+    KILLED = "killed"
+    ABORTS = "aborts"
+    HANGS = "hangs"
 
 
 @dataclass(frozen=True)
 class Expected:
     """One rank's expected end."""
 
-    ending: str  # "returns", "raises", "exits", "killed", "aborts", "hangs"
-    exc: str = ""  # exception class name for "raises"
+    ending: Wanted
+    exc: str = ""  # exception class name for RAISES
     match: str | None = None
     code: int | None = None
     signal: int | None = None
 
-    def matches(self, got: RankOutcome) -> bool:
-        if self.ending == "returns":
-            return got.ending is Ending.RETURNED
-        if self.ending == "raises":
-            return (
-                got.ending is Ending.RAISED
-                and self.exc in got.exc_mro
-                and (self.match is None or re.search(self.match, got.message) is not None)
+    def __post_init__(self) -> None:
+        if not isinstance(self.ending, Wanted):
+            choices = ", ".join(w.value for w in Wanted)
+            raise ExpectationError(
+                f"Expected.ending must be one of {choices} (a Wanted); got {self.ending!r}; "
+                f"build it with returns(), raises(E), exits(C), killed(S), aborts() or hangs()"
             )
-        if self.ending == "exits":
-            return got.ending in (Ending.EXITED, Ending.HARD_EXIT) and got.exit_code == self.code
-        if self.ending == "killed":
-            return got.ending is Ending.SIGNALLED and got.signal == self.signal
-        if self.ending == "aborts":
-            return got.ending is Ending.HARD_EXIT and got.exit_code == RANKWISE_ABORT_EXIT_CODE
-        return got.ending is Ending.HUNG
+
+    def matches(self, got: RankOutcome) -> bool:
+        return _MATCHERS[self.ending](self, got)
 
     def describe(self) -> str:
-        if self.ending == "raises":
+        if self.ending is Wanted.RAISES:
             match = f" matching {self.match!r}" if self.match is not None else ""
             return f"raises {self.exc}{match}"
-        if self.ending == "exits":
+        if self.ending is Wanted.EXITS:
             return f"exits with code {self.code}"
-        if self.ending == "killed":
+        if self.ending is Wanted.KILLED:
             return f"dies of {signal_name(self.signal)}"
-        if self.ending == "aborts":
+        if self.ending is Wanted.ABORTS:
             return f"aborts (rankwise.abort, exit status {RANKWISE_ABORT_EXIT_CODE})"
-        return self.ending
+        return str(self.ending.value)
+
+
+def _raised_as_expected(want: Expected, got: RankOutcome) -> bool:
+    return (
+        got.ending is Ending.RAISED
+        and want.exc in got.exc_mro
+        and (want.match is None or re.search(want.match, got.message) is not None)
+    )
+
+
+_MATCHERS: dict[Wanted, Callable[[Expected, RankOutcome], bool]] = {
+    Wanted.RETURNS: lambda want, got: got.ending is Ending.RETURNED,
+    Wanted.RAISES: _raised_as_expected,
+    Wanted.EXITS: lambda want, got: (
+        got.ending in (Ending.EXITED, Ending.HARD_EXIT) and got.exit_code == want.code
+    ),
+    Wanted.KILLED: lambda want, got: got.ending is Ending.SIGNALLED and got.signal == want.signal,
+    Wanted.ABORTS: lambda want, got: (
+        got.ending is Ending.HARD_EXIT and got.exit_code == RANKWISE_ABORT_EXIT_CODE
+    ),
+    Wanted.HANGS: lambda want, got: got.ending is Ending.HUNG,
+}
 
 
 def returns() -> Expected:
     """Returns normally (the expectation for every rank without a marker)."""
-    return Expected("returns")
+    return Expected(Wanted.RETURNS)
 
 
 def raises(exc: type[BaseException] | str, match: str | None = None) -> Expected:
@@ -80,27 +109,32 @@ def raises(exc: type[BaseException] | str, match: str | None = None) -> Expected
     name = exc if isinstance(exc, str) else exc.__name__
     if not isinstance(name, str) or not name:
         raise ExpectationError(f"raises() needs an exception class or name; got {exc!r}")
-    return Expected("raises", exc=name, match=match)
+    return Expected(Wanted.RAISES, exc=name, match=match)
 
 
 def exits(code: int) -> Expected:
     """Ends with exit code `code`, by SystemExit or by the process exiting."""
-    return Expected("exits", code=code)
+    return Expected(Wanted.EXITS, code=code)
 
 
 def killed(signal: int = signals.SIGKILL) -> Expected:
     """Dies of `signal`."""
-    return Expected("killed", signal=int(signal))
+    return Expected(Wanted.KILLED, signal=int(signal))
 
 
 def aborts() -> Expected:
     """Leaves through rankwise's abort(): the traceback printed, then exit status 70."""
-    return Expected("aborts")
+    return Expected(Wanted.ABORTS)
 
 
 def hangs() -> Expected:
     """Is still running at the deadline (and is killed)."""
-    return Expected("hangs")
+    return Expected(Wanted.HANGS)
+
+
+Bad = Callable[[str, object, str], ExpectationError]
+_FORMS = "expect(returns()), expect(rank=1, does=raises(E), others=returns()) or expect({0: ...})"
+_OUTCOMES = "use returns(), raises(E), exits(C), killed(S), aborts() or hangs()"
 
 
 def from_marker(
@@ -108,52 +142,38 @@ def from_marker(
 ) -> list[Expected]:
     """One Expected per rank from the marker's forms (see the module docstring)."""
 
-    def bad(what: str) -> ExpectationError:
-        return ExpectationError(f"invalid expected outcome {what} from {origin}")
+    def bad(what: str, value: object, fix: str) -> ExpectationError:
+        return ExpectationError(invalid(what, value, origin, fix))
 
-    per_rank: list[Expected] = [returns()] * world_size
     if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        per_rank: list[Expected] = [returns()] * world_size
         for rank, expected in args[0].items():
-            if not isinstance(rank, int) or not 0 <= rank < world_size:
-                raise bad(f"rank {rank!r}: use ranks 0..{world_size - 1}")
-            per_rank[rank] = _checked(expected, bad)
+            per_rank[_checked_rank(rank, world_size, bad)] = _checked(expected, bad)
         return per_rank
     if len(args) == 1 and not kwargs:
         return [_checked(args[0], bad)] * world_size
     if args or "does" not in kwargs or set(kwargs) - {"rank", "does", "others"}:
-        raise bad(
-            "form: use expect(returns()), expect(rank=1, does=raises(E), others=returns()) "
-            "or expect({0: ..., 1: ...})"
-        )
+        raise bad("expected outcome form", _form_text(args, kwargs), f"use {_FORMS}")
     ranks = kwargs.get("rank", 0)
     ranks = list(ranks) if isinstance(ranks, (list, tuple)) else [ranks]
     others = _checked(kwargs.get("others", returns()), bad)
     does = _checked(kwargs["does"], bad)
-    for rank in ranks:
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise bad(f"rank {rank!r}: use ranks 0..{world_size - 1}")
-    return [does if r in ranks else others for r in range(world_size)]
+    chosen = {_checked_rank(rank, world_size, bad) for rank in ranks}
+    return [does if r in chosen else others for r in range(world_size)]
 
 
-def _checked(expected: Any, bad: Any) -> Expected:
+def _form_text(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"expect({', '.join(parts)})"
+
+
+def _checked_rank(rank: Any, world_size: int, bad: Bad) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise bad("expected outcome rank", rank, f"use ranks 0..{world_size - 1}")
+    return rank
+
+
+def _checked(expected: Any, bad: Bad) -> Expected:
     if not isinstance(expected, Expected):
-        raise bad(f"{expected!r}: use returns(), raises(E), exits(C), killed(S), aborts(), hangs()")
+        raise bad("expected outcome", expected, _OUTCOMES)
     return expected
-
-
-def mismatches(expected: Sequence[Expected], outcomes: Sequence[RankOutcome]) -> list[int]:
-    return [o.rank for o in outcomes if not expected[o.rank].matches(o)]
-
-
-def table(expected: Sequence[Expected], outcomes: Sequence[RankOutcome]) -> str:
-    """Expected against actual, one row per rank, '<-' on each rank that differs."""
-    rows = [("rank", "expected", "got")]
-    rows += [(str(o.rank), expected[o.rank].describe(), o.describe()[:100]) for o in outcomes]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = []
-    for i, row in enumerate(rows):
-        mark = "" if i == 0 or expected[outcomes[i - 1].rank].matches(outcomes[i - 1]) else "  <-"
-        lines.append(
-            " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + mark
-        )
-    return "\n".join(lines)

@@ -13,14 +13,17 @@ Imports no torch: the pytest side validates faults at collection time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal as signals
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from harness.errors import SpecError, invalid
 
 KINDS = ("raise", "exit", "hard_exit", "signal", "hang", "delay")
 SIGNALS = {
@@ -32,7 +35,7 @@ SIGNALS = {
 START = "start"
 
 
-class FaultError(ValueError):
+class FaultError(SpecError):
     """A fault declaration that cannot be carried out; says where it came from."""
 
 
@@ -63,36 +66,34 @@ class Fault:
 def validate(fault: Fault, world_size: int, origin: str) -> Fault:
     """Check every field, raising FaultError that names `origin` and what is allowed."""
 
-    def bad(what: str, advice: str) -> FaultError:
-        return FaultError(f"invalid fault {what} from {origin}: {advice}")
+    def bad(what: str, value: object, fix: str) -> FaultError:
+        return FaultError(invalid(f"fault {what}", value, origin, fix))
 
     if fault.kind not in KINDS:
-        raise bad(f"kind {fault.kind!r}", f"choose one of {', '.join(KINDS)}")
+        raise bad("kind", fault.kind, f"choose one of {', '.join(KINDS)}")
     ranks = fault.rank if isinstance(fault.rank, (tuple, list)) else (fault.rank,)
     if fault.rank != "all":
         for r in ranks:
             if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
-                raise bad(
-                    f"rank {r!r}", f"use a rank in 0..{world_size - 1}, a list of them, or 'all'"
-                )
+                raise bad("rank", r, f"use a rank in 0..{world_size - 1}, a list of them, or 'all'")
     if not isinstance(fault.at, str) or not fault.at:
-        raise bad(f"point {fault.at!r}", "use 'start' or a point name such as 'all_reduce:step'")
+        raise bad("point", fault.at, "use 'start' or a point name such as 'all_reduce:step'")
     if isinstance(fault.nth, bool) or not isinstance(fault.nth, int) or fault.nth < 1:
-        raise bad(f"nth {fault.nth!r}", "use an int >= 1")
+        raise bad("nth", fault.nth, "use an int >= 1")
     if fault.kind == "signal":
         _signal_number(fault.signal, bad)
     if fault.kind in ("exit", "hard_exit") and (
         isinstance(fault.code, bool) or not isinstance(fault.code, int)
     ):
-        raise bad(f"exit code {fault.code!r}", "use an int")
+        raise bad("exit code", fault.code, "use an int")
     if fault.kind == "delay" and not (
         isinstance(fault.seconds, (int, float)) and fault.seconds >= 0
     ):
-        raise bad(f"delay {fault.seconds!r}", "use seconds >= 0")
+        raise bad("delay", fault.seconds, "use seconds >= 0")
     if fault.kind == "raise" and fault.exc is not None and not _is_exception(fault.exc):
-        raise bad(f"exception {fault.exc!r}", "use an exception instance or class")
+        raise bad("exception", fault.exc, "use an exception instance or class")
     if isinstance(fault.rank, list):
-        fault = Fault(**{**fault.__dict__, "rank": tuple(fault.rank)})
+        fault = dataclasses.replace(fault, rank=tuple(fault.rank))
     return fault
 
 
@@ -102,13 +103,16 @@ def _is_exception(exc: Any) -> bool:
     )
 
 
-def _signal_number(value: int | str, bad: Any) -> int:
+Bad = Callable[[str, object, str], FaultError]
+
+
+def _signal_number(value: int | str, bad: Bad) -> int:
     if isinstance(value, str):
         if value.upper() not in SIGNALS:
-            raise bad(f"signal {value!r}", f"choose one of {', '.join(SIGNALS)}")
+            raise bad("signal", value, f"choose one of {', '.join(SIGNALS)}")
         return int(SIGNALS[value.upper()])
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"signal {value!r}", "use a signal number or name")
+        raise bad("signal", value, "use a signal number or name")
     return int(value)
 
 
@@ -193,6 +197,10 @@ def rankwise_points() -> Any:
     return _points
 
 
+def _unreachable(what: str, value: object, fix: str) -> FaultError:
+    raise AssertionError(f"fault {what} {value!r} passed validation")  # validated before
+
+
 def _fire(fault: Fault, rank: int, where: str) -> None:
     message = f"fault injected by the harness on rank {rank} at {where}"
     if fault.kind == "raise":
@@ -206,7 +214,7 @@ def _fire(fault: Fault, rank: int, where: str) -> None:
     if fault.kind == "hard_exit":
         os._exit(fault.code)
     if fault.kind == "signal":
-        os.kill(os.getpid(), _signal_number(fault.signal, lambda what, advice: FaultError(what)))
+        os.kill(os.getpid(), _signal_number(fault.signal, _unreachable))
         threading.Event().wait(5)  # a handled or slow signal: give it time to land
         return
     if fault.kind == "hang":

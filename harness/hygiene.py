@@ -11,6 +11,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from harness.errors import SpecError, invalid
+
 CHECKS = ("group", "threads", "env")
 # Variables libraries set for themselves on first use (torch's compile caches, Intel OpenMP's
 # KMP_* switches set when an MKL-linked package is imported): the test did not change them.
@@ -64,8 +66,6 @@ def parse_allowed(args: tuple[object, ...], origin: str) -> frozenset[str]:
     names = set(args) if args else set(CHECKS)
     unknown = names - set(CHECKS)
     if unknown:
-        raise ValueError(
-            f"invalid leftover kind(s) {sorted(map(str, unknown))} from {origin}: "
-            f"choose from {', '.join(CHECKS)}"
-        )
+        fix = f"choose from {', '.join(CHECKS)}"
+        raise SpecError(invalid("leftover kind(s)", sorted(map(str, unknown)), origin, fix))
     return frozenset(str(n) for n in names)

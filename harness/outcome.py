@@ -11,7 +11,7 @@ import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class Ending(enum.Enum):
@@ -162,7 +162,8 @@ def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosi
     return Diagnosis(root, collateral, independent)
 
 
-def _ranks_phrase(ranks: Sequence[int]) -> str:
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """'rank 2' or 'ranks 0, 2, 3'."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(str(r) for r in ranks)
@@ -175,9 +176,9 @@ def summary_line(outcomes: Sequence[RankOutcome], diagnosis: Diagnosis) -> str:
     root = next(o for o in outcomes if o.rank == diagnosis.root)
     parts = [f"rank {root.rank} failed: {root.describe()}"]
     if diagnosis.independent:
-        parts.append(f"{_ranks_phrase(diagnosis.independent)} also failed")
+        parts.append(f"{ranks_phrase(diagnosis.independent)} also failed")
     if diagnosis.collateral:
-        parts.append(f"{_ranks_phrase(diagnosis.collateral)} collateral")
+        parts.append(f"{ranks_phrase(diagnosis.collateral)} collateral")
     return "; ".join(parts)
 
 
@@ -185,10 +186,8 @@ def render_report(
     outcomes: Sequence[RankOutcome],
     diagnosis: Diagnosis,
     header: str,
-    details: dict[int, str] | None = None,
 ) -> str:
     """The failure text: the summary, then one section per failing rank, root cause first."""
-    details = details or {}
     lines = [header, ""]
     order = [diagnosis.root, *diagnosis.independent, *diagnosis.collateral]
     by_rank = {o.rank: o for o in outcomes}
@@ -202,8 +201,6 @@ def render_report(
             else ("collateral" if r in diagnosis.collateral else "also failed")
         )
         lines.append(f"{'=' * 8} rank {r} (pid {o.pid}): {o.describe()} [{role}] {'=' * 8}")
-        if r in details:
-            lines.append(details[r])
         for note in o.notes:
             lines.append(note)
         if o.traceback:
@@ -216,3 +213,44 @@ def render_report(
             lines.append(o.output.rstrip())
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+class Expectation(Protocol):
+    """One rank's expected end, as harness.expect.Expected provides it."""
+
+    def matches(self, got: RankOutcome) -> bool: ...
+    def describe(self) -> str: ...
+
+
+def failure_text(
+    outcomes: Sequence[RankOutcome], expected: Sequence[Expectation] = ()
+) -> str | None:
+    """The report for outcomes that differ from `expected` (default: all return), or None."""
+    if expected:
+        failed = [o.rank for o in outcomes if not expected[o.rank].matches(o)]
+        if not failed:
+            return None
+        header = f"expected outcomes not met on {ranks_phrase(failed)}"
+        body = render_report(
+            outcomes, diagnose(outcomes, failed), expectation_table(expected, outcomes)
+        )
+        return f"{header}\n\n{body}"
+    failed = [o.rank for o in outcomes if not o.ok]
+    if not failed:
+        return None
+    diagnosis = diagnose(outcomes, failed)
+    return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis))
+
+
+def expectation_table(expected: Sequence[Expectation], outcomes: Sequence[RankOutcome]) -> str:
+    """Expected against actual, one row per rank, '<-' on each rank that differs."""
+    rows = [("rank", "expected", "got")]
+    rows += [(str(o.rank), expected[o.rank].describe(), o.describe()[:100]) for o in outcomes]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = []
+    for i, row in enumerate(rows):
+        mark = "" if i == 0 or expected[outcomes[i - 1].rank].matches(outcomes[i - 1]) else "  <-"
+        lines.append(
+            " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + mark
+        )
+    return "\n".join(lines)

@@ -19,15 +19,24 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness.faults import Fault
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
-from harness.protocol import Kind, Message, RunTask, Target
+from harness.protocol import (
+    Backend,
+    Kind,
+    Message,
+    RankFiles,
+    RankSpec,
+    RunTask,
+    StartMethod,
+    Target,
+    decode_where,
+)
 from harness.stacks import dump_stacks
 
 # After one rank fails, how long its peers get to finish before they count as hung. gloo
@@ -44,22 +53,24 @@ class PoolStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolKey:
+    """Ranks can serve any run whose spec has the same world size, backend and start method."""
+
     world_size: int
-    backend: str
-    start_method: str
+    backend: Backend
+    start_method: StartMethod
+
+    @classmethod
+    def of(cls, spec: RankSpec) -> PoolKey:
+        return cls(spec.world_size, spec.backend, spec.start_method)
 
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One run on every rank of a pool: what to call, with what, within what time."""
+    """One run on every rank: how (the spec), what to call, and its encoded arguments."""
 
+    spec: RankSpec
     target: Target
     args_blob: bytes
-    timeout_s: float
-    launch: bool = False
-    device_for_rank: Callable[[int], str] = lambda rank: "cpu"
-    faults: tuple[Fault, ...] = ()
-    hygiene: frozenset[str] = frozenset()
 
 
 class _Slot:
@@ -69,14 +80,10 @@ class _Slot:
         from harness import worker
 
         self.rank = rank
-        self.capture = workdir / f"rank{rank}.out"
-        self.stacks = workdir / f"rank{rank}.stacks"
-        self.where = workdir / f"rank{rank}.where"
+        self.files = RankFiles.in_dir(workdir, rank)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=worker.main,
-            args=(child, str(self.capture), str(self.stacks), str(self.where)),
-            name=f"harness-rank{rank}",
+            target=worker.main, args=(child, self.files), name=f"harness-rank{rank}"
         )
         with _main_module_hidden():
             self.process.start()
@@ -92,11 +99,11 @@ class _Slot:
         self.conn.close()
 
     def read_output(self) -> str:
-        return tail(self.capture)
+        return tail(self.files.capture)
 
     def read_where(self) -> str:
         with contextlib.suppress(OSError):
-            return self.where.read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+            return decode_where(self.files.where.read_bytes())
         return ""
 
 
@@ -171,11 +178,11 @@ class Pool:
     def pids(self) -> list[int]:
         return [slot.pid for slot in self.slots]
 
-    def run(self, tasks: list[RunTask], request: RunRequest) -> list[RankOutcome]:
+    def run(self, tasks: list[RunTask]) -> list[RankOutcome]:
         """Run one task per rank and return every rank's outcome, in rank order."""
         completed = False
         try:
-            outcomes = _Run(self, tasks, request.timeout_s).collect()
+            outcomes = _Run(self, tasks, tasks[0].spec.timeout_s).collect()
             completed = True
             return outcomes
         finally:
@@ -272,7 +279,7 @@ class _Run:
     def _handle_hang(self) -> None:
         """Dump the stuck ranks' Python stacks; `collect` then closes the pool."""
         stuck = self._pending()
-        stacks = dump_stacks({s.rank: (s.pid, s.stacks) for s in stuck})
+        stacks = dump_stacks({s.rank: (s.pid, s.files.stacks) for s in stuck})
         now = time.monotonic()
         for slot in stuck:
             outcome = RankOutcome(
@@ -331,37 +338,31 @@ class Pools:
             self.started_pids.update(pool.pids)
         return pool
 
-    def run(self, key: PoolKey, request: RunRequest) -> list[RankOutcome]:
-        """Run `request` on a warm pool of `key`, each run in a fresh process group."""
-        pool = self.get(key)
+    def run(self, request: RunRequest) -> list[RankOutcome]:
+        """Run `request` on a warm pool for its spec, each run in a fresh process group."""
+        pool = self.get(PoolKey.of(request.spec))
         serial = next(self._serial)
-        run_key = f"{os.getpid()}-{serial}"
-        launch_store = self._launch_store() if request.launch else None
+        launch_store = self._launch_store() if request.spec.launch else None
         tasks = [
             RunTask(
-                key=run_key,
+                key=f"{os.getpid()}-{serial}",
                 rank=rank,
-                world_size=key.world_size,
-                backend=key.backend,
-                device=request.device_for_rank(rank),
-                timeout_s=request.timeout_s,
+                spec=request.spec,
+                target=request.target,
+                args_blob=request.args_blob,
                 store_host="127.0.0.1",
                 store_port=self.store.port,
                 store_prefix=f"run{serial}/",
                 launch_port=launch_store.port if launch_store is not None else None,
-                launch_attempt=serial,
-                target=request.target,
-                args_blob=request.args_blob,
+                attempt=serial,
                 sys_path=list(sys.path),
                 cwd=os.getcwd(),
                 env=dict(os.environ),
-                faults=tuple(f for f in request.faults if rank in f.ranks(key.world_size)),
-                hygiene=request.hygiene,
             )
-            for rank in range(key.world_size)
+            for rank in range(request.spec.world_size)
         ]
         try:
-            return pool.run(tasks, request)
+            return pool.run(tasks)
         finally:
             del launch_store  # torchrun's agent store lives for the run only
 

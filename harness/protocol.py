@@ -1,18 +1,40 @@
-"""The messages between the pytest process and its ranks, all in one place.
+"""The whole contract between the pytest process and its ranks, in one place.
 
-Every message is a :class:`Message`: a :class:`Kind` and the one payload type that kind
-carries, so no event name is a bare string scattered over files. Imports no torch: the
-pytest side loads this module at collection time.
+- Messages: a :class:`Kind` and the one payload type that kind carries, so no event name is
+  a bare string scattered over files.
+- What one run is (:class:`RankSpec`, :class:`RunTask`) and the device a rank uses.
+- The files a rank writes (:class:`RankFiles`) and the encoding of the where-buffer.
+- The signal that makes a rank dump its stacks, the fixtures a rank makes for itself, and
+  the encoding of a run's arguments.
+
+Imports no torch: the pytest side loads this module at collection time.
 """
 
 from __future__ import annotations
 
 import enum
+import pickle
+import signal
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
+from harness.expect import Expected
 from harness.faults import Fault
+from harness.hygiene import CHECKS
 from harness.outcome import RankOutcome
+
+Backend = Literal["gloo", "nccl"]
+StartMethod = Literal["forkserver", "spawn", "fork"]
+BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
+START_METHODS: tuple[StartMethod, ...] = ("forkserver", "spawn", "fork")
+
+# faulthandler dumps every thread's stack on this signal, even inside a C++ collective.
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
+# Fixtures each rank makes for itself: only a rank knows them, or (monkeypatch) their undo
+# must run in the rank. The pytest process sends None in their place.
+RANK_SIDE_FIXTURES = ("rank", "device", "monkeypatch")
+WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a rank is in
 
 
 class Kind(enum.Enum):
@@ -35,26 +57,53 @@ class Target:
     qualname: str
 
 
+def device_for(backend: Backend, rank: int) -> str:
+    """The device a rank of `backend` uses: its own GPU with NCCL, the CPU with gloo."""
+    return f"cuda:{rank}" if backend == "nccl" else "cpu"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How one test (or run_on_ranks call) runs: its world, its bound, its mode, its checks."""
+
+    world_size: int
+    timeout_s: float
+    backend: Backend = "gloo"
+    start_method: StartMethod = "forkserver"
+    launch: bool = False  # torchrun's environment and no process group
+    faults: tuple[Fault, ...] = ()
+    expected: tuple[Expected, ...] = ()  # one per rank; empty: every rank must return
+    hygiene: frozenset[str] = frozenset(CHECKS)  # the leftover checks to make after the body
+
+    def faults_on(self, rank: int) -> tuple[Fault, ...]:
+        return tuple(f for f in self.faults if rank in f.ranks(self.world_size))
+
+
 @dataclass(frozen=True)
 class RunTask:
+    """One rank's share of one run, as sent to it."""
+
     key: str  # unique per run; the result carries it back so a late one is never misfiled
     rank: int
-    world_size: int
-    backend: str
-    device: str
-    timeout_s: float
+    spec: RankSpec
+    target: Target
+    args_blob: bytes  # encode_args((args, kwargs)), loaded after the target's module
     store_host: str
     store_port: int
     store_prefix: str
-    launch_port: int | None  # launch mode: torchrun's env, rendezvous on this store
-    launch_attempt: int
-    target: Target
-    args_blob: bytes  # pickled (args, kwargs), loaded after the target's module
+    launch_port: int | None = None  # launch mode: torchrun's env, rendezvous on this store
+    attempt: int = 0  # launch mode: torchrun's restart count, distinct per run
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
     env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time
-    faults: tuple[Fault, ...] = ()  # this rank's
-    hygiene: frozenset[str] = frozenset()  # the leftover checks to make after the body
+
+    @property
+    def device(self) -> str:
+        return device_for(self.spec.backend, self.rank)
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        return self.spec.faults_on(self.rank)
 
 
 PAYLOAD_TYPES: dict[Kind, type] = {
@@ -72,3 +121,40 @@ class Message:
     def __post_init__(self) -> None:
         expected = PAYLOAD_TYPES[self.kind]
         assert isinstance(self.payload, expected), (self.kind, type(self.payload))
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The files one rank writes and the pytest process reads, even after the rank died."""
+
+    capture: Path  # the rank's stdout and stderr
+    stacks: Path  # faulthandler's dump on DUMP_STACKS_SIGNAL
+    where: Path  # the where-buffer (WHERE_SIZE bytes, memory-mapped by the rank)
+
+    @classmethod
+    def in_dir(cls, directory: Path, rank: int) -> RankFiles:
+        return cls(
+            directory / f"rank{rank}.out",
+            directory / f"rank{rank}.stacks",
+            directory / f"rank{rank}.where",
+        )
+
+
+def encode_where(collectives: list[str]) -> bytes:
+    """The where-buffer's content: the nested labelled collectives, outermost first."""
+    text = " > ".join(collectives).encode()[: WHERE_SIZE - 1]
+    return text.ljust(WHERE_SIZE, b"\0")
+
+
+def decode_where(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def encode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A run's positional and keyword arguments, for the trip to the ranks."""
+    return pickle.dumps((args, kwargs))
+
+
+def decode_args(blob: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = pickle.loads(blob)
+    return tuple(args), dict(kwargs)

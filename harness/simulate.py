@@ -18,14 +18,16 @@ from typing import Any
 import pytest
 
 from harness.outcome import Ending, exit_code
+from harness.torchrun_env import torchrun_env
 
 
 @pytest.fixture
 def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]:
     """``launch_env(world_size=8, rank=3)``: this process now looks like rank 3 of a launch.
 
-    Sets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as
-    torchrun does, before any process group exists) and restores them after the test.
+    Sets every variable torchrun sets for its workers (``harness.torchrun_env.VARIABLES``:
+    WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), before any process group
+    exists, and restores them after the test.
     Cannot simulate: the rendezvous (nothing listens on MASTER_PORT, so setting a group up
     from this environment fails) and the peers themselves.
     """
@@ -47,15 +49,13 @@ def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]
             raise ValueError(
                 f"launch_env: local_world_size {local} must divide world_size {world_size}"
             )
-        env = {
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank % local),
-            "LOCAL_WORLD_SIZE": str(local),
-            "GROUP_RANK": str(rank // local),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-        }
+        env = torchrun_env(
+            world_size,
+            rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            local_world_size=local,
+        )
         for variable, text in env.items():
             monkeypatch.setenv(variable, text)
         return env

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-import signal
 import time
+from functools import cache
 from pathlib import Path
+
+from harness.protocol import DUMP_STACKS_SIGNAL
 
 STACK_DUMP_WAIT_S = 3.0
 _POLL_S = 0.05
@@ -18,7 +21,7 @@ def dump_stacks(ranks: dict[int, tuple[int, Path]]) -> dict[int, str]:
         with contextlib.suppress(OSError):
             path.write_bytes(b"")
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, DUMP_STACKS_SIGNAL)
     _await_dumps([path for _, path in ranks.values()])
     return {rank: trim_stack(_read(path)) for rank, (_, path) in ranks.items()}
 
@@ -42,15 +45,24 @@ def trim_stack(text: str) -> str:
     """Drop the harness's and multiprocessing's frames below the user's code in each thread."""
     kept: list[str] = []
     skipping = False
+    worker_frame = f'File "{_worker_file()}"'
     for line in text.splitlines():
         if not line.startswith("  File "):
             skipping = False
             kept.append(line)
-        elif skipping or "/harness/worker.py" in line:
+        elif skipping or worker_frame in line:
             skipping = True
         else:
             kept.append(line)
     return "\n".join(kept)
+
+
+@cache
+def _worker_file() -> str:
+    """The rank entry point's own file, found without importing it (it imports torch)."""
+    spec = importlib.util.find_spec("harness.worker")
+    assert spec is not None and spec.origin is not None
+    return spec.origin
 
 
 def _read(path: Path) -> str:

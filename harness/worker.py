@@ -39,38 +39,35 @@ import torch.distributed as dist
 from harness import hygiene
 from harness.faults import Injector, rankwise_points
 from harness.outcome import Ending, RankOutcome, exit_code
-from harness.protocol import Kind, Message, Ready, RunTask
+from harness.protocol import (
+    DUMP_STACKS_SIGNAL,
+    RANK_SIDE_FIXTURES,
+    WHERE_SIZE,
+    Kind,
+    Message,
+    RankFiles,
+    Ready,
+    RunTask,
+    decode_args,
+    encode_where,
+)
+from harness.torchrun_env import torchrun_env
 
 _PR_SET_PDEATHSIG = 1
 # The group's own timeout stays well past the harness's deadline, so a hang is always caught
 # and reported by the harness (stacks, the collective) before gloo unwinds it.
 GROUP_TIMEOUT_MARGIN_S = 120.0
-_WHERE_SIZE = 512
-_LAUNCH_VARS = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
-def main(conn: Any, capture_path: str, stack_path: str, where_path: str) -> None:
+def main(conn: Any, files: RankFiles) -> None:
     """Process entry point: serve runs until the pytest side goes away or kills the rank."""
     _release_forkserver()
     _die_with_parent()
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
-    capture_fd = _redirect_output(capture_path)
-    stack_file = open(stack_path, "a")  # noqa: SIM115 - must outlive this frame for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    where = _WhereBoard(where_path)
+    capture_fd = _redirect_output(str(files.capture))
+    stack_file = open(files.stacks, "a")  # noqa: SIM115 - must outlive this frame
+    faulthandler.register(DUMP_STACKS_SIGNAL, file=stack_file, all_threads=True)
+    where = _WhereBoard(str(files.where))
     where.install()
     conn.send(Message(Kind.READY, Ready(os.getpid())))
     while True:
@@ -134,8 +131,8 @@ class _WhereBoard:
 
     def __init__(self, path: str) -> None:
         with open(path, "w+b") as f:
-            f.truncate(_WHERE_SIZE)
-            self._map = mmap.mmap(f.fileno(), _WHERE_SIZE)
+            f.truncate(WHERE_SIZE)
+            self._map = mmap.mmap(f.fileno(), WHERE_SIZE)
         self._stack: list[str] = []
 
     def install(self) -> None:
@@ -148,8 +145,7 @@ class _WhereBoard:
             self._stack.append(f"{kind}({label!r})")
         elif self._stack:
             self._stack.pop()
-        text = " > ".join(self._stack).encode()[: _WHERE_SIZE - 1]
-        self._map[:] = text.ljust(_WHERE_SIZE, b"\0")
+        self._map[:] = encode_where(self._stack)
 
 
 def _serve(task: RunTask) -> RankOutcome:
@@ -161,7 +157,7 @@ def _serve(task: RunTask) -> RankOutcome:
         with Injector(task.rank, task.faults).installed() as injector:
             outcome = _run_target(task, injector)
         group_left = task.launch_port is not None and dist.is_initialized()
-        outcome.leftovers = hygiene.findings(before, task.hygiene, group_left)
+        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left)
         return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
         return _raised(task, exc, note="while setting the rank up for the test")
@@ -178,8 +174,9 @@ def _enter_test_context(task: RunTask) -> None:
     if task.env:  # the ranks see the environment the test sees, as torchrun's children do
         os.environ.clear()
         os.environ.update(task.env)
-    if task.backend == "nccl":
-        torch.cuda.set_device(task.rank)
+    spec = task.spec
+    if spec.backend == "nccl":
+        torch.cuda.set_device(torch.device(task.device))
     if task.launch_port is not None:
         os.environ.update(_launch_env(task))
         return
@@ -187,14 +184,14 @@ def _enter_test_context(task: RunTask) -> None:
         task.store_prefix, _client_store(task)
     )
     kwargs: dict[str, Any] = {}
-    if task.backend == "nccl":
+    if spec.backend == "nccl":
         kwargs["device_id"] = torch.device(task.device)
     dist.init_process_group(
-        task.backend,
+        spec.backend,
         store=store,
         rank=task.rank,
-        world_size=task.world_size,
-        timeout=timedelta(seconds=task.timeout_s + GROUP_TIMEOUT_MARGIN_S),
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s + GROUP_TIMEOUT_MARGIN_S),
         **kwargs,
     )
 
@@ -211,29 +208,23 @@ def _client_store(task: RunTask) -> Any:
             task.store_port,
             is_master=False,
             wait_for_workers=False,
-            timeout=timedelta(seconds=task.timeout_s + GROUP_TIMEOUT_MARGIN_S),
+            timeout=timedelta(seconds=task.spec.timeout_s + GROUP_TIMEOUT_MARGIN_S),
         )
     return _stores[key]
 
 
 def _launch_env(task: RunTask) -> dict[str, str]:
     """torchrun's environment; every rank rendezvouses as a client of the pytest-side store."""
-    values = {
-        "WORLD_SIZE": task.world_size,
-        "RANK": task.rank,
-        "LOCAL_RANK": task.rank,
-        "LOCAL_WORLD_SIZE": task.world_size,
-        "GROUP_RANK": 0,
-        "ROLE_RANK": task.rank,
-        "ROLE_WORLD_SIZE": task.world_size,
-        "MASTER_ADDR": task.store_host,
-        "MASTER_PORT": task.launch_port,
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": task.launch_attempt,
-        "TORCHELASTIC_RUN_ID": task.key,
-    }
-    assert set(values) == set(_LAUNCH_VARS)
-    return {name: str(value) for name, value in values.items()}
+    assert task.launch_port is not None
+    return torchrun_env(
+        task.spec.world_size,
+        task.rank,
+        master_addr=task.store_host,
+        master_port=task.launch_port,
+        agent_store=True,
+        run_id=task.key,
+        restart_count=task.attempt,
+    )
 
 
 def _teardown_group() -> None:
@@ -244,7 +235,7 @@ def _teardown_group() -> None:
 
 def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
     fn = _resolve(task)
-    args, kwargs = pickle.loads(task.args_blob)
+    args, kwargs = decode_args(task.args_blob)
     kwargs.update(_rank_side_values(task, kwargs))
     try:
         injector.at_start()
@@ -295,10 +286,11 @@ def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Fill the fixtures only a rank can know, where the test asked for them."""
     known: dict[str, Callable[[], Any]] = {
         "rank": lambda: task.rank,
-        "world_size": lambda: task.world_size,
+        "world_size": lambda: task.spec.world_size,
         "device": lambda: torch.device(task.device),
         "monkeypatch": _new_monkeypatch,
     }
+    assert set(RANK_SIDE_FIXTURES) <= set(known)
     return {name: make() for name, make in known.items() if name in kwargs}
 
 

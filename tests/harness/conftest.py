@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# The imports every generated rank test file starts with.
+HEADER = """
+import os, signal, sys, threading, pytest, torch, torch.distributed as dist
+import rankwise as rw
+from harness import aborts, exits, hangs, killed, raises, returns
+"""
+
 
 def alive(pid: int) -> bool:
     """Whether `pid` is a live (not zombie) process."""

@@ -80,7 +80,10 @@ def test_bad_option_values_name_their_source(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nrank_start_method = teleport\n")
     result = pytester.runpytest("-p", "harness")
     result.stderr.fnmatch_lines(
-        ["*invalid ini option 'rank_start_method' 'teleport': choose one of forkserver, spawn, *"]
+        [
+            "*invalid start method 'teleport' from ini option 'rank_start_method': "
+            "choose one of forkserver, spawn, fork"
+        ]
     )
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from pathlib import Path
 from typing import Any
 
 from harness.outcome import Ending, RankOutcome, diagnose, summary_line
 from harness.pool import _Run
-from harness.protocol import Kind, Message, RunTask, Target
+from harness.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Target
 
 
 class _FakeProcess:
@@ -26,7 +27,7 @@ class _FakeSlot:
         self.rank, self.pid = rank, os.getpid()
         self.conn, self.rank_end = multiprocessing.Pipe()
         self.process = _FakeProcess()
-        self.stacks = None  # never read: the test replaces dump_stacks
+        self.files = RankFiles.in_dir(Path("/nonexistent"), rank)  # the test replaces dump_stacks
 
     def read_output(self) -> str:
         return ""
@@ -46,7 +47,7 @@ class _FakePool:
 
 def _task(key: str, rank: int = 0) -> RunTask:
     target = Target("tests.harness.test_logic", None, "_task")
-    return RunTask(key, rank, 1, "gloo", "cpu", 10.0, "127.0.0.1", 1, "p/", None, 0, target, b"")
+    return RunTask(key, rank, RankSpec(1, 10.0), target, b"", "127.0.0.1", 1, "p/")
 
 
 def test_a_late_result_of_an_earlier_run_is_never_credited() -> None:

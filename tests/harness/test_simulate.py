@@ -12,11 +12,14 @@ import torch
 import torch.distributed as dist
 
 from harness import ThreadedWorldError
+from harness.torchrun_env import VARIABLES
 
 
 def test_launch_env_looks_like_torchrun_and_is_restored(launch_env: Any) -> None:
     env = launch_env(world_size=8, rank=5, local_world_size=4)
     assert env["LOCAL_RANK"] == "1" and env["GROUP_RANK"] == "1"
+    assert set(env) == set(VARIABLES)  # the same builder as launch mode's
+    assert all(os.environ[name] == value for name, value in env.items())
     assert os.environ["WORLD_SIZE"] == "8" and os.environ["RANK"] == "5"
     assert rw.is_distributed_launch() and not rw.is_distributed_run()
     with (

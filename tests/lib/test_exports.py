@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import rankwise
 
-import harness
-
 SPEC_NAMES = [
     "DistributedProcessGroup",
     "DistributedState",
@@ -37,8 +35,3 @@ def test_rankwise_exports_the_spec_names_sorted() -> None:
     assert all(getattr(rankwise, name).__doc__ for name in rankwise.__all__)
     public = {n for n in vars(rankwise) if not n.startswith("_")}
     assert public == set(SPEC_NAMES) | {"annotations"}
-
-
-def test_harness_exports_are_sorted_and_documented() -> None:
-    assert harness.__all__ == sorted(harness.__all__)
-    assert all(getattr(harness, name).__doc__ for name in harness.__all__)

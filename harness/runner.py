@@ -1,0 +1,249 @@
+"""Running one test, or one run_on_ranks call, on its ranks and judging how every rank ended.
+
+Loaded with the plugin but imports no torch: ``harness.pool`` is imported when a test first
+needs ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from harness import expect as expectations
+from harness import faults as fault_specs
+from harness.errors import SpecError
+from harness.faults import Fault
+from harness.outcome import Ending, RankOutcome, failure_text
+from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, Target, encode_args
+from harness.settings import settings_of, spec_for_call
+
+if TYPE_CHECKING:
+    from harness.pool import Pools
+
+_pools_key = pytest.StashKey["Pools"]()
+_leftovers_key = pytest.StashKey[str]()
+
+
+class RankLeftovers(Exception):
+    """A rank test left a process group, threads or environment changes behind."""
+
+
+# ---- a ranks-marked test ------------------------------------------------------------------
+
+
+def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
+    """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
+    spec = _with_fixture_faults(item, spec)
+    outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
+    _record_leftovers(item, outcomes)
+    judge(item.nodeid, spec, outcomes)
+
+
+def _with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
+    extra = item._request.getfixturevalue("rank_faults")
+    if not extra:
+        return spec
+    origin = f"the rank_faults fixture of {item.nodeid}"
+    try:
+        more = tuple(fault_specs.validate(f, spec.world_size, origin) for f in extra)
+    except fault_specs.FaultError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return replace(spec, faults=spec.faults + more)
+
+
+def test_target(item: pytest.Function) -> Target:
+    """Where a rank finds the test function: its module, its file, its qualified name."""
+    module = item.module
+    assert module is not None
+    qualname = item.originalname
+    if item.cls is not None:
+        qualname = f"{item.cls.__qualname__}.{item.originalname}"
+    return Target(module.__name__, getattr(module, "__file__", None), qualname)
+
+
+test_target.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
+
+
+def sendable_funcargs(item: pytest.Function) -> bytes:
+    """The test's arguments resolved here, encoded for the trip to the ranks.
+
+    A value that cannot travel fails the test naming its fixture; each value is pickled on
+    its own only then, to find it.
+    """
+    kwargs = {
+        name: None if name in RANK_SIDE_FIXTURES else item.funcargs[name]
+        for name in item._fixtureinfo.argnames
+    }
+    try:
+        return encode_args((), kwargs)
+    except Exception:
+        _fail_naming_the_fixture(item, kwargs)
+        raise  # no single value is to blame: the error as pickle gave it
+
+
+def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            pytest.fail(
+                f"fixture {name!r} of {item.nodeid} cannot be sent to the ranks "
+                f"({type(exc).__name__}: {exc}); make its value picklable, or build it "
+                f"inside the test body",
+                pytrace=False,
+            )
+
+
+def _record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+    lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
+    if lines:
+        hint = "(a test that means it: @pytest.mark.allow_leftovers('group', 'threads', 'env'))"
+        item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], hint])
+
+
+def raise_leftovers(item: pytest.Item) -> None:
+    """At teardown: a test that left things behind in a rank errors, naming the rank."""
+    text = item.stash.get(_leftovers_key, None)
+    if text is not None:
+        raise RankLeftovers(text)
+
+
+def judge(nodeid: str, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
+    """Pass only if every rank ended as expected; otherwise fail with the root cause first."""
+    if all(o.ending is Ending.SKIPPED for o in outcomes):
+        pytest.skip(outcomes[0].message)
+    text = failure_text(outcomes, spec.expected)
+    if text is not None:
+        first, _, rest = text.partition("\n")
+        pytest.fail(f"{first}  [{spec.world_size} ranks, {nodeid}]\n{rest}", pytrace=False)
+
+
+def skip_without_gpus(needed: int) -> None:
+    """Skip the current test, at its own location, when fewer than `needed` GPUs are here."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < needed:
+        raise pytest.skip.Exception(
+            f"needs {needed} CUDA GPU(s), this machine has {have}", _use_item_location=True
+        )
+
+
+# ---- the pools ----------------------------------------------------------------------------
+
+
+def run(
+    config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes
+) -> list[RankOutcome]:
+    """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
+    from harness.pool import RunRequest
+
+    return pools_of(config).run(RunRequest(spec, target, args_blob))
+
+
+def pools_of(config: pytest.Config) -> Pools:
+    if _pools_key not in config.stash:
+        from harness.pool import Pools
+
+        config.stash[_pools_key] = Pools()
+    return config.stash[_pools_key]
+
+
+def close_pools(config: pytest.Config) -> list[int]:
+    """Kill every rank of the session; the pids still alive after that (there should be none)."""
+    pools = config.stash.get(_pools_key, None)
+    return [] if pools is None else pools.close()
+
+
+# ---- any function on ranks, from the pytest process --------------------------------------
+
+
+@dataclass
+class WorldOutcome:
+    """Every rank's outcome of one `run_on_ranks` call, in rank order."""
+
+    ranks: list[RankOutcome]
+
+    def __getitem__(self, rank: int) -> RankOutcome:
+        return self.ranks[rank]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __iter__(self) -> Iterator[RankOutcome]:
+        return iter(self.ranks)
+
+    @property
+    def values(self) -> list[Any]:
+        """Each rank's return value; raises if any rank did not return."""
+        bad = [o for o in self.ranks if not o.ok]
+        if bad:
+            raise AssertionError(self.report())
+        return [o.value for o in self.ranks]
+
+    @property
+    def endings(self) -> list[Ending]:
+        """How each rank ended, in rank order."""
+        return [o.ending for o in self.ranks]
+
+    def report(self) -> str:
+        """The failure report, root cause first, or 'every rank returned'."""
+        return failure_text(self.ranks) or "every rank returned"
+
+    def expect(self, *args: Any, **kwargs: Any) -> None:
+        """Assert how each rank ended, in the expect marker's forms; the table on a mismatch."""
+        wanted = expectations.from_marker(args, kwargs, len(self.ranks), "WorldOutcome.expect")
+        text = failure_text(self.ranks, wanted)
+        if text is not None:
+            raise AssertionError(text)
+
+
+class RankRunner:
+    """Runs a module-level function on every rank of a world and returns every outcome."""
+
+    def __init__(self, config: pytest.Config, node: pytest.Item | None = None) -> None:
+        self._config = config
+        self._node = node
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        world_size: int | None = None,
+        timeout: float | None = None,
+        launch: bool = False,
+        backend: str | None = None,
+        faults: list[Fault] | tuple[Fault, ...] = (),
+        **kwargs: Any,
+    ) -> WorldOutcome:
+        target = function_target(fn)
+        settings = settings_of(self._config)
+        spec = spec_for_call(settings, self._node, world_size, timeout, launch, backend, faults)
+        if spec.backend == "nccl":
+            skip_without_gpus(spec.world_size)
+        return WorldOutcome(run(self._config, spec, target, encode_args(args, kwargs)))
+
+
+def function_target(fn: Callable[..., Any]) -> Target:
+    """Where a rank finds `fn`; ValueError for a function it cannot find by name."""
+    qualname = getattr(fn, "__qualname__", "")
+    module_name = getattr(fn, "__module__", None)
+    if not module_name or not qualname or "<" in qualname:
+        raise SpecError(
+            f"run_on_ranks needs a module-level function (found by name in each rank), "
+            f"not {fn!r}; move it to the top level of a module"
+        )
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    # A test module (assertion-rewritten here) is loaded the same way in the ranks.
+    return Target(module_name, file if file is not None and _is_test_file(file) else None, qualname)
+
+
+def _is_test_file(file: str) -> bool:
+    name = Path(file).name
+    return name.startswith(("test_", "conftest")) or Path(file).stem.endswith("_test")

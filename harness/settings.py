@@ -1,0 +1,267 @@
+"""What the user asked for: session settings from the command line and ini, and each test's
+spec from its markers. Testable without starting a process; imports no torch.
+
+The session's values are resolved once, in ``pytest_configure``, into a frozen
+:class:`Settings` kept in ``config.stash``; a bad one is a usage error. A bad marker is that
+test's error only: :func:`spec_for` raises :class:`SpecError` and the plugin reports it when
+the test is set up, so a typo in one test never stops the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pytest
+
+from harness import expect as expectations
+from harness import faults as fault_specs
+from harness import hygiene
+from harness.errors import SpecError, invalid
+from harness.protocol import BACKENDS, START_METHODS, Backend, RankSpec, StartMethod
+
+DEFAULT_RANKS = 2
+DEFAULT_TIMEOUT_S = 60.0
+WORLD_PARAM = "_harness_world_size"
+RANKS_OPTIONS = ("timeout", "launch", "backend")
+# Markers that only mean something on a ranks test.
+RANK_TEST_MARKERS = ("fault", "expect", "allow_leftovers")
+
+# (name, help, metavar) of each command-line option; each has an ini key of the same name.
+OPTIONS: list[tuple[str, str, str]] = [
+    ("ranks", f"world size for @pytest.mark.ranks without sizes (default {DEFAULT_RANKS})", "N"),
+    ("rank_timeout", f"seconds a multi-rank test may run (default {DEFAULT_TIMEOUT_S:g})", "S"),
+    ("rank_start_method", "how rank processes start: forkserver (default), spawn, fork", "M"),
+    ("rank_backend", "process group backend for rank tests: gloo (default) or nccl", "B"),
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The session's harness settings, each already checked."""
+
+    ranks: int = DEFAULT_RANKS
+    rank_timeout_s: float | None = None  # --rank-timeout or the ini key
+    pytest_timeout_s: float | None = None  # pytest-timeout's --timeout, ini or env, when loaded
+    start_method: StartMethod = "forkserver"
+    backend: Backend = "gloo"
+
+
+_settings_key = pytest.StashKey[Settings]()
+
+
+def configure(config: pytest.Config) -> Settings:
+    """Resolve and keep the session's settings; a bad value is a pytest.UsageError."""
+    try:
+        settings = Settings(
+            ranks=_from_option(config, "ranks", DEFAULT_RANKS, _world_size),
+            rank_timeout_s=_from_option(config, "rank_timeout", None, _seconds),
+            pytest_timeout_s=_pytest_timeout(config),
+            start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
+            backend=_from_option(config, "rank_backend", "gloo", _backend),
+        )
+    except SpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[_settings_key] = settings
+    return settings
+
+
+def settings_of(config: pytest.Config) -> Settings:
+    """The session's settings (resolved on first use where configure has not run)."""
+    found = config.stash.get(_settings_key, None)
+    return found if found is not None else configure(config)
+
+
+def _from_option(config: pytest.Config, name: str, default: Any, check: Any) -> Any:
+    """An option's checked value: the command line first, then the ini file, else `default`."""
+    value = config.getoption(name, None)
+    if value is not None:
+        return check(value, f"--{name.replace('_', '-')}")
+    value = config.getini(name)
+    if value not in (None, ""):
+        return check(value, f"ini option {name!r}")
+    return default
+
+
+def _pytest_timeout(config: pytest.Config) -> float | None:
+    """pytest-timeout's session timeout (its private attribute: the one place it is read)."""
+    value = getattr(config, "_env_timeout", None)
+    return float(value) if value else None
+
+
+# ---- checked values ---------------------------------------------------------------------
+
+
+def _world_size(value: Any, origin: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(value, bool) or str(number) != str(value).strip():
+        raise SpecError(invalid("world size", value, origin, "use an int >= 1"))
+    return number
+
+
+def _seconds(value: Any, origin: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = 0.0
+    if not seconds > 0 or isinstance(value, bool):
+        raise SpecError(invalid("timeout", value, origin, "use seconds > 0"))
+    return seconds
+
+
+def _backend(value: Any, origin: str) -> Backend:
+    if value not in BACKENDS:
+        raise SpecError(invalid("backend", value, origin, f"choose one of {', '.join(BACKENDS)}"))
+    return cast(Backend, value)
+
+
+def _start_method(value: Any, origin: str) -> StartMethod:
+    if value not in START_METHODS:
+        fix = f"choose one of {', '.join(START_METHODS)}"
+        raise SpecError(invalid("start method", value, origin, fix))
+    return cast(StartMethod, value)
+
+
+def _launch(value: Any, origin: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(invalid("launch", value, origin, "use True or False"))
+    return value
+
+
+# ---- the one timeout precedence -----------------------------------------------------------
+
+
+def timeout_for(
+    settings: Settings, own: Any, own_origin: str, node: pytest.Item | None = None
+) -> float:
+    """A run's bound, the same for markers and run_on_ranks.
+
+    First the run's own value (the ranks marker's ``timeout=``, or ``run_on_ranks(timeout=)``),
+    then pytest-timeout's marker on the test, ``--rank-timeout`` (or its ini key),
+    pytest-timeout's session timeout, and last the default of 60 s.
+    """
+    if own is not None:
+        return _seconds(own, own_origin)
+    mark = node.get_closest_marker("timeout") if node is not None else None
+    if mark is not None:
+        value = mark.kwargs.get("timeout", (mark.args or [None])[0])
+        if value is not None:
+            return _seconds(value, f"the timeout marker on {node.nodeid}")  # type: ignore[union-attr]
+    if settings.rank_timeout_s is not None:
+        return settings.rank_timeout_s
+    if settings.pytest_timeout_s is not None:
+        return settings.pytest_timeout_s
+    return DEFAULT_TIMEOUT_S
+
+
+# ---- a test's spec from its markers -------------------------------------------------------
+
+
+def marked_sizes(item: pytest.Item | pytest.Function, mark: pytest.Mark) -> list[int]:
+    """The world sizes `@pytest.mark.ranks(2, 4)` asks for; SpecError for a bad one."""
+    origin = f"@pytest.mark.ranks on {item.nodeid}"
+    return [_world_size(size, origin) for size in mark.args]
+
+
+def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
+    """How a ranks-marked test runs; SpecError naming the marker, the test and the fix."""
+    mark = item.get_closest_marker("ranks")
+    assert mark is not None, item.nodeid
+    origin = f"@pytest.mark.ranks on {item.nodeid}"
+    unknown = set(mark.kwargs) - set(RANKS_OPTIONS)
+    if unknown:
+        raise SpecError(
+            invalid("option(s)", sorted(unknown), origin, "use timeout=, launch= or backend=")
+        )
+    world_size = _world_size_of(item, mark, settings)
+    backend = mark.kwargs.get("backend")
+    return RankSpec(
+        world_size=world_size,
+        timeout_s=timeout_for(settings, mark.kwargs.get("timeout"), origin, item),
+        backend=settings.backend if backend is None else _backend(backend, origin),
+        start_method=settings.start_method,
+        launch=_launch(mark.kwargs.get("launch", False), origin),
+        faults=_marked_faults(item, world_size),
+        expected=_marked_expectations(item, world_size),
+        hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
+    )
+
+
+def _world_size_of(item: pytest.Function, mark: pytest.Mark, settings: Settings) -> int:
+    marked_sizes(item, mark)  # checked again: a bad size left the test unparametrized
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and WORLD_PARAM in callspec.params:
+        return int(callspec.params[WORLD_PARAM])
+    return settings.ranks
+
+
+def stray_marker(item: pytest.Item) -> str | None:
+    """The error for a fault/expect/allow_leftovers marker on a test without ranks, or None."""
+    if item.get_closest_marker("ranks") is not None:
+        return None
+    for name in RANK_TEST_MARKERS:
+        if item.get_closest_marker(name) is not None:
+            return (
+                f"the {name} marker on {item.nodeid} applies only to a test marked "
+                f"@pytest.mark.ranks: add @pytest.mark.ranks(N), or remove the {name} marker"
+            )
+    return None
+
+
+def _marked_faults(item: pytest.Function, world_size: int) -> tuple[fault_specs.Fault, ...]:
+    origin = f"the fault marker on {item.nodeid}"
+    found: list[fault_specs.Fault] = []
+    for mark in item.iter_markers("fault"):
+        try:
+            found += fault_specs.from_marker(mark.args, mark.kwargs)
+        except (TypeError, fault_specs.FaultError) as exc:
+            raise fault_specs.FaultError(f"{exc}, in {origin}") from None
+    return tuple(fault_specs.validate(f, world_size, origin) for f in found)
+
+
+def _marked_expectations(
+    item: pytest.Function, world_size: int
+) -> tuple[expectations.Expected, ...]:
+    mark = item.get_closest_marker("expect")
+    if mark is None:
+        return ()
+    origin = f"the expect marker on {item.nodeid}"
+    return tuple(expectations.from_marker(mark.args, mark.kwargs, world_size, origin))
+
+
+def _allowed_leftovers(item: pytest.Function) -> frozenset[str]:
+    mark = item.get_closest_marker("allow_leftovers")
+    if mark is None:
+        return frozenset()
+    return hygiene.parse_allowed(mark.args, f"the allow_leftovers marker on {item.nodeid}")
+
+
+# ---- run_on_ranks's arguments -------------------------------------------------------------
+
+
+def spec_for_call(
+    settings: Settings,
+    node: pytest.Item | None,
+    world_size: int | None,
+    timeout: float | None,
+    launch: bool,
+    backend: str | None,
+    faults: Any,
+) -> RankSpec:
+    """The spec of one run_on_ranks call; SpecError (a ValueError) naming the argument."""
+    size = _world_size(
+        world_size if world_size is not None else settings.ranks, "run_on_ranks(world_size=...)"
+    )
+    return RankSpec(
+        world_size=size,
+        timeout_s=timeout_for(settings, timeout, "run_on_ranks(timeout=...)", node),
+        backend=settings.backend
+        if backend is None
+        else _backend(backend, "run_on_ranks(backend=...)"),
+        start_method=settings.start_method,
+        launch=_launch(launch, "run_on_ranks(launch=...)"),
+        faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
+    )

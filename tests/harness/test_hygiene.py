@@ -1,0 +1,89 @@
+"""Hygiene: what a test leaves behind in a rank is that test's error, naming the rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness.conftest import HEADER
+
+
+def test_leftovers_are_errors_naming_the_rank_unless_allowed(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        HEADER
+        + """
+import time
+
+STOP = threading.Event()
+
+@pytest.mark.ranks(2, launch=True)
+def test_group_left(rank):
+    dist.init_process_group("gloo")
+
+@pytest.mark.ranks(2)
+def test_thread_left(rank):
+    if rank == 1:
+        threading.Thread(target=STOP.wait, args=(30,), name="poller").start()
+
+@pytest.mark.ranks(2)
+def test_env_left(rank):
+    os.environ["LEFT_BEHIND"] = "1"
+
+@pytest.mark.ranks(2, launch=True)
+@pytest.mark.allow_leftovers("group", "env")
+def test_allowed(rank):
+    dist.init_process_group("gloo")
+    os.environ["LEFT_BEHIND"] = "1"
+
+@pytest.mark.ranks(2)
+def test_next_is_clean(rank):
+    assert "LEFT_BEHIND" not in os.environ
+    assert [t.name for t in threading.enumerate() if t.name == "poller"] == []
+"""
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=5, errors=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_group_left*",
+            "*hygiene: rank 0 left the process group it set up initialised*",
+            "*rank 1 left the process group*",
+            "*allow_leftovers*",
+            "*ERROR at teardown of test_thread_left*",
+            "*hygiene: rank 1 left non-daemon threads running: poller; join them*",
+            "*ERROR at teardown of test_env_left*",
+            "*hygiene: rank 0 changed environment variables LEFT_BEHIND*",
+        ]
+    )
+
+
+def test_a_bad_leftover_kind_is_that_tests_error(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        HEADER
+        + """
+@pytest.mark.ranks(2)
+@pytest.mark.allow_leftovers("files")
+def test_bad(rank):
+    pass
+
+def test_others_still_run():
+    pass
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*invalid leftover kind(s) [[]'files'[]] from the allow_leftovers marker on *test_bad*"]
+    )
+
+
+def test_leftover_processes_at_session_end_fail_the_session(inner: pytest.Pytester) -> None:
+    inner.makeconftest(
+        """
+        import harness.pool
+        harness.pool._alive = lambda pid: True  # pretend no rank would die
+        """
+    )
+    inner.makepyfile(HEADER + "\n@pytest.mark.ranks(2)\ndef test_x(rank):\n    pass\n")
+    result = inner.runpytest("-p", "harness")
+    result.stdout.fnmatch_lines(["*harness: rank processes still alive at session end: [[]*"])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED

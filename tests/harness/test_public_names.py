@@ -1,0 +1,30 @@
+"""The harness's public names: sorted, documented, and pinned."""
+
+from __future__ import annotations
+
+import harness
+
+HARNESS_NAMES = [
+    "Ending",
+    "Expected",
+    "Fault",
+    "RankOutcome",
+    "RankRunner",
+    "ThreadedWorldError",
+    "WorldOutcome",
+    "aborts",
+    "assert_close_across_ranks",
+    "assert_on_all_ranks",
+    "exits",
+    "fault_point",
+    "hangs",
+    "killed",
+    "raises",
+    "returns",
+]
+
+
+def test_harness_exports_are_sorted_and_documented() -> None:
+    assert harness.__all__ == sorted(harness.__all__)
+    assert all(getattr(harness, name).__doc__ for name in harness.__all__)
+    assert harness.__all__ == HARNESS_NAMES
