@@ -39,6 +39,10 @@ class FaultError(SpecError):
     """A fault declaration that cannot be carried out; says where it came from."""
 
 
+class FaultNotReached(Exception):
+    """A rank returned without passing the point one of its faults waits for."""
+
+
 @dataclass(frozen=True)
 class Fault:
     """One fault on some ranks: `kind` at point `at` (default: the start of the body)."""
@@ -141,22 +145,39 @@ class Injector:
 
     rank: int
     faults: tuple[Fault, ...]
-    passes: dict[str, int] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)  # by every name a fault may use
+    seen: dict[str, int] = field(default_factory=dict)  # by the name a report shows
+    fired: set[int] = field(default_factory=set)  # indexes into faults
 
     def at_start(self) -> None:
-        self._passed(START, START)
+        self._passed(START, START, START)
 
     def observe(self, phase: str, kind: str, label: str) -> None:
         """A rankwise point observer: faults fire on entry."""
         if phase == "enter":
-            self._passed(f"{kind}:{label}", label)
+            full = f"{kind}:{label}"
+            self._passed(full, label, full)
 
-    def _passed(self, full: str, label: str) -> None:
+    def _passed(self, full: str, label: str, shown: str) -> None:
         for name in {full, label}:
             self.passes[name] = self.passes.get(name, 0) + 1
-        for fault in self.faults:
+        self.seen[shown] = self.seen.get(shown, 0) + 1
+        for index, fault in enumerate(self.faults):
             if fault.at in (full, label) and self.passes[fault.at] == fault.nth:
+                self.fired.add(index)
                 _fire(fault, self.rank, full)
+
+    def unreached(self) -> FaultNotReached | None:
+        """The error for this rank's faults that never fired (a misspelt point, too few passes)."""
+        missed = [f for i, f in enumerate(self.faults) if i not in self.fired]
+        if not missed:
+            return None
+        points = ", ".join(f"{name!r} ({n})" for name, n in sorted(self.seen.items()))
+        sentences = [f"fault {f.describe()} was never reached on rank {self.rank}" for f in missed]
+        return FaultNotReached(
+            f"{'; '.join(sentences)}; points passed on rank {self.rank}: {points}; "
+            f"check the fault's at= against these names"
+        )
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Injector]:
@@ -185,7 +206,7 @@ def fault_point(name: str) -> None:
     Costs one check when no fault is armed; does nothing outside a harness rank.
     """
     if _active is not None:
-        _active._passed(f"point:{name}", name)
+        _active._passed(f"point:{name}", name, name)
 
 
 def rankwise_points() -> Any:

@@ -31,6 +31,8 @@ _PEER_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 # faulthandler's line for a frame of torch's collective API:
 #   File ".../distributed_c10d.py", line 5356 in barrier
 _C10D_FRAME = re.compile(r'distributed_c10d\.py", line \d+ in (\w+)')
+# A traceback's line for the same frame: File ".../distributed_c10d.py", line 5356, in barrier
+_C10D_TRACEBACK_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 _PEER_ERROR_TEXT = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"
     r"ProcessGroup.*(aborted|destroyed)|communicator was aborted|"
@@ -62,6 +64,8 @@ class RankOutcome:
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
+    setup_failed: bool = False  # the harness could not set the group up; the body never ran
+    setup_attempts: int = 1  # how many times the harness tried
 
     @property
     def ok(self) -> bool:
@@ -85,6 +89,14 @@ class RankOutcome:
             return self.where
         match = _C10D_FRAME.search(self.stack)
         return match.group(1) if match else ""
+
+    @property
+    def waited_in(self) -> str:
+        """The collective this rank was in when it hung or a peer's departure broke it."""
+        if self.ending is Ending.HUNG:
+            return self.in_collective
+        found = _C10D_TRACEBACK_FRAME.findall(self.traceback)
+        return found[-1] if found else ""  # the innermost: tracebacks list it last
 
     @property
     def looks_collateral(self) -> bool:
@@ -141,11 +153,18 @@ def outcome_from_exitcode(
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """Which rank's failure came first and which failures it caused."""
+    """Which rank's failure came first and which failures it caused.
+
+    Two cases have no failing root: ranks that `departed` (returned, or tore their group
+    down) while the failing ranks waited on them, and ranks hung `out_of_step` (each in a
+    different collective, every one waiting for the others).
+    """
 
     root: int | None
     collateral: tuple[int, ...]
     independent: tuple[int, ...]  # failed on their own account, after the root cause
+    departed: tuple[int, ...] = ()  # returned while the collateral ranks waited; root first
+    out_of_step: tuple[int, ...] = ()
 
 
 def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosis:
@@ -154,12 +173,40 @@ def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosi
         return Diagnosis(None, (), ())
     by_rank = {o.rank: o for o in outcomes}
     primary = [r for r in failed if not by_rank[r].looks_collateral]
+    if not primary:
+        found = _out_of_step(by_rank, failed) or _departed(outcomes, by_rank, failed)
+        if found is not None:
+            return found
     pool = primary or list(failed)
     root = min(pool, key=lambda r: (by_rank[r].at, r))
     rest = [r for r in failed if r != root]
     collateral = tuple(r for r in rest if r not in primary)
     independent = tuple(r for r in rest if r in primary)
     return Diagnosis(root, collateral, independent)
+
+
+def _out_of_step(by_rank: dict[int, RankOutcome], failed: Sequence[int]) -> Diagnosis | None:
+    """Every failed rank hung, each in a collective, and not all in the same one."""
+    hung = [by_rank[r] for r in failed]
+    if not all(o.ending is Ending.HUNG and o.in_collective for o in hung):
+        return None
+    if len({o.in_collective for o in hung}) < 2:
+        return None
+    return Diagnosis(None, (), (), out_of_step=tuple(failed))
+
+
+def _departed(
+    outcomes: Sequence[RankOutcome], by_rank: dict[int, RankOutcome], failed: Sequence[int]
+) -> Diagnosis | None:
+    """Ranks that returned before every (peer-caused) failure: the peers waited on them."""
+    first_failure = min(by_rank[r].at for r in failed)
+    left = sorted(
+        (o for o in outcomes if o.ending is Ending.RETURNED and o.at <= first_failure),
+        key=lambda o: (o.at, o.rank),
+    )
+    if not left:
+        return None
+    return Diagnosis(left[0].rank, tuple(failed), (), departed=tuple(o.rank for o in left))
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
@@ -171,15 +218,43 @@ def ranks_phrase(ranks: Sequence[int]) -> str:
 
 def summary_line(outcomes: Sequence[RankOutcome], diagnosis: Diagnosis) -> str:
     """'rank 1 failed: raised AssertionError: ...; ranks 0, 2, 3 collateral'."""
+    by_rank = {o.rank: o for o in outcomes}
+    if diagnosis.out_of_step:
+        return "ranks out of step: " + _where_each_is(by_rank, diagnosis.out_of_step)
+    if diagnosis.departed:
+        waited = sorted({by_rank[r].waited_in for r in diagnosis.collateral} - {""})
+        where = f" in {' / '.join(waited)}" if waited else ""
+        return (
+            f"{ranks_phrase(diagnosis.departed)} returned while "
+            f"{ranks_phrase(diagnosis.collateral)} waited{where}"
+        )
     if diagnosis.root is None:
         return "every rank ended as expected"
-    root = next(o for o in outcomes if o.rank == diagnosis.root)
+    root = by_rank[diagnosis.root]
     parts = [f"rank {root.rank} failed: {root.describe()}"]
     if diagnosis.independent:
         parts.append(f"{ranks_phrase(diagnosis.independent)} also failed")
     if diagnosis.collateral:
         parts.append(f"{ranks_phrase(diagnosis.collateral)} collateral")
     return "; ".join(parts)
+
+
+def _where_each_is(by_rank: dict[int, RankOutcome], ranks: Sequence[int]) -> str:
+    """'rank 0 in broadcast; ranks 1, 2 in all_reduce', grouped in order of first rank."""
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(by_rank[r].in_collective, []).append(r)
+    return "; ".join(f"{ranks_phrase(rs)} in {where}" for where, rs in groups.items())
+
+
+def _role(rank: int, diagnosis: Diagnosis) -> str:
+    if rank == diagnosis.root:
+        return "root cause"
+    if rank in diagnosis.out_of_step:
+        return "out of step"
+    if rank in diagnosis.departed:
+        return "also returned early"
+    return "collateral" if rank in diagnosis.collateral else "also failed"
 
 
 def render_report(
@@ -189,18 +264,21 @@ def render_report(
 ) -> str:
     """The failure text: the summary, then one section per failing rank, root cause first."""
     lines = [header, ""]
-    order = [diagnosis.root, *diagnosis.independent, *diagnosis.collateral]
+    order = [
+        diagnosis.root,
+        *diagnosis.departed,
+        *diagnosis.out_of_step,
+        *diagnosis.independent,
+        *diagnosis.collateral,
+    ]
     by_rank = {o.rank: o for o in outcomes}
-    for r in order:
+    for r in dict.fromkeys(order):
         if r is None:
             continue
         o = by_rank[r]
-        role = (
-            "root cause"
-            if r == diagnosis.root
-            else ("collateral" if r in diagnosis.collateral else "also failed")
+        lines.append(
+            f"{'=' * 8} rank {r} (pid {o.pid}): {o.describe()} [{_role(r, diagnosis)}] {'=' * 8}"
         )
-        lines.append(f"{'=' * 8} rank {r} (pid {o.pid}): {o.describe()} [{role}] {'=' * 8}")
         for note in o.notes:
             lines.append(note)
         if o.traceback:
@@ -254,3 +332,15 @@ def expectation_table(expected: Sequence[Expectation], outcomes: Sequence[RankOu
             " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + mark
         )
     return "\n".join(lines)
+
+
+def set_up_failure_text(outcomes: Sequence[RankOutcome]) -> str:
+    """The report when the harness could not set the ranks up: no rank of the test is to blame."""
+    first = outcomes[0]
+    return (
+        f"harness error: the ranks could not be set up for this test "
+        f"({first.setup_attempts} attempts); the test body never ran\n"
+        f"{first.message}\n"
+        f"This is not the test's failure: rerun it; if it persists, lower the machine's load "
+        f"(fewer pytest -n workers) or raise --rank-timeout."
+    )

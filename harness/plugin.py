@@ -103,6 +103,22 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(runner.HarnessError):
+        report.harness_error = True  # travels with the report (xdist serialises __dict__)
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] | None:
+    """The harness's own failure is an error, as a broken fixture is: not the test's fault."""
+    if getattr(report, "harness_error", False) and report.failed:
+        return "error", "E", "ERROR"
+    return None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     runner.raise_leftovers(item)

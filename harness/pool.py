@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,10 @@ FAILURE_GRACE_S = 5.0
 # How long a pool may take to start (spawn imports torch once per rank).
 START_TIMEOUT_S = 120.0
 OUTPUT_LIMIT = 64 * 1024
+# A group set-up that failed on every rank (the body never ran) is retried this many times,
+# while at least MIN_SET_UP_RETRY_S of the run's bound is left.
+SET_UP_ATTEMPTS = 3
+MIN_SET_UP_RETRY_S = 1.0
 
 
 class PoolStartError(RuntimeError):
@@ -339,7 +343,25 @@ class Pools:
         return pool
 
     def run(self, request: RunRequest) -> list[RankOutcome]:
-        """Run `request` on a warm pool for its spec, each run in a fresh process group."""
+        """Run `request` on a warm pool for its spec, each run in a fresh process group.
+
+        A set-up that failed on every rank (the body never ran) is tried again with a fresh
+        group, up to SET_UP_ATTEMPTS times within the run's own bound.
+        """
+        deadline = time.monotonic() + request.spec.timeout_s
+        for attempt in range(1, SET_UP_ATTEMPTS + 1):
+            remaining = deadline - time.monotonic()
+            spec = replace(request.spec, timeout_s=remaining) if attempt > 1 else request.spec
+            outcomes = self._run_once(replace(request, spec=spec), attempt)
+            if not all(o.setup_failed for o in outcomes):
+                return outcomes
+            for outcome in outcomes:
+                outcome.setup_attempts = attempt
+            if deadline - time.monotonic() < MIN_SET_UP_RETRY_S:
+                break
+        return outcomes
+
+    def _run_once(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
         pool = self.get(PoolKey.of(request.spec))
         serial = next(self._serial)
         launch_store = self._launch_store() if request.spec.launch else None
@@ -355,6 +377,7 @@ class Pools:
                 store_prefix=f"run{serial}/",
                 launch_port=launch_store.port if launch_store is not None else None,
                 attempt=serial,
+                setup_attempt=setup_attempt,
                 sys_path=list(sys.path),
                 cwd=os.getcwd(),
                 env=dict(os.environ),

@@ -35,6 +35,8 @@ DUMP_STACKS_SIGNAL = signal.SIGUSR1
 # must run in the rank. The pytest process sends None in their place.
 RANK_SIDE_FIXTURES = ("rank", "device", "monkeypatch")
 WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a rank is in
+# The harness's own tests set this to make rank 1's first N group set-ups fail.
+SIMULATED_SET_UP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"
 
 
 class Kind(enum.Enum):
@@ -93,6 +95,7 @@ class RunTask:
     store_prefix: str
     launch_port: int | None = None  # launch mode: torchrun's env, rendezvous on this store
     attempt: int = 0  # launch mode: torchrun's restart count, distinct per run
+    setup_attempt: int = 1  # the set-up is retried (fresh store prefix) when it fails
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
     env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time

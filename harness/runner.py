@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _pytest.outcomes import Failed
 
 from harness import expect as expectations
 from harness import faults as fault_specs
 from harness.errors import SpecError
 from harness.faults import Fault
-from harness.outcome import Ending, RankOutcome, failure_text
+from harness.outcome import Ending, RankOutcome, failure_text, set_up_failure_text
 from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, Target, encode_args
 from harness.settings import settings_of, spec_for_call
 
@@ -32,6 +33,10 @@ _leftovers_key = pytest.StashKey[str]()
 
 class RankLeftovers(Exception):
     """A rank test left a process group, threads or environment changes behind."""
+
+
+class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone
+    """The harness itself could not run the test: reported as an error, not a failure."""
 
 
 # ---- a ranks-marked test ------------------------------------------------------------------
@@ -116,8 +121,10 @@ def raise_leftovers(item: pytest.Item) -> None:
 
 def judge(nodeid: str, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
     """Pass only if every rank ended as expected; otherwise fail with the root cause first."""
-    if all(o.ending is Ending.SKIPPED for o in outcomes):
-        pytest.skip(outcomes[0].message)
+    if all(o.setup_failed for o in outcomes):
+        raise HarnessError(set_up_failure_text(outcomes), pytrace=False)
+    if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported at the test, not here
+        raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
     text = failure_text(outcomes, spec.expected)
     if text is not None:
         first, _, rest = text.partition("\n")

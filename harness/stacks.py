@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import linecache
 import os
+import re
 import time
 from functools import cache
 from pathlib import Path
@@ -53,8 +55,18 @@ def trim_stack(text: str) -> str:
         elif skipping or worker_frame in line:
             skipping = True
         else:
-            kept.append(line)
+            kept += [line, *_source_of(line)]
     return "\n".join(kept)
+
+
+_FRAME = re.compile(r'  File "(.+)", line (\d+) in ')
+
+
+def _source_of(frame_line: str) -> list[str]:
+    """The frame's source line, indented under it as a traceback shows it (none if unknown)."""
+    match = _FRAME.match(frame_line)
+    source = linecache.getline(match[1], int(match[2])).strip() if match else ""
+    return [f"    {source}"] if source else []
 
 
 @cache

@@ -42,6 +42,7 @@ from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
     DUMP_STACKS_SIGNAL,
     RANK_SIDE_FIXTURES,
+    SIMULATED_SET_UP_FAILURES,
     WHERE_SIZE,
     Kind,
     Message,
@@ -160,7 +161,9 @@ def _serve(task: RunTask) -> RankOutcome:
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left)
         return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
-        return _raised(task, exc, note="while setting the rank up for the test")
+        outcome = _raised(task, exc, note="while setting the rank up for the test")
+        outcome.setup_failed = isinstance(exc, _SetUpFailed)
+        return outcome
     finally:
         _teardown_group()
         os.environ.clear()
@@ -183,6 +186,16 @@ def _enter_test_context(task: RunTask) -> None:
     store = dist.PrefixStore(  # type: ignore[attr-defined]
         task.store_prefix, _client_store(task)
     )
+    error = ""
+    try:
+        _init_group(task, store)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _agree_on_set_up(task, store, error)
+
+
+def _init_group(task: RunTask, store: Any) -> None:
+    spec = task.spec
     kwargs: dict[str, Any] = {}
     if spec.backend == "nccl":
         kwargs["device_id"] = torch.device(task.device)
@@ -194,6 +207,32 @@ def _enter_test_context(task: RunTask) -> None:
         timeout=timedelta(seconds=spec.timeout_s + GROUP_TIMEOUT_MARGIN_S),
         **kwargs,
     )
+    failures = int(os.environ.get(SIMULATED_SET_UP_FAILURES, "0"))
+    if task.rank == 1 and task.setup_attempt <= failures:  # the harness's own tests only
+        raise RuntimeError(f"simulated set-up failure (attempt {task.setup_attempt})")
+
+
+class _SetUpFailed(Exception):
+    """The harness could not set the test's group up, on this rank or on a peer."""
+
+
+def _agree_on_set_up(task: RunTask, store: Any, error: str) -> None:
+    """Start the body only where every rank's group came up; else every rank raises.
+
+    Without this a rank whose peer failed to connect (gloo's connectFullMesh under load)
+    would run the body and fail in its first collective, blamed on the test.
+    """
+    world = task.spec.world_size
+    keys = [f"setup/{r}" for r in range(world)]
+    store.set(keys[task.rank], error)
+    store.wait(keys, timedelta(seconds=task.spec.timeout_s))
+    failed = [
+        f"rank {r}: {status.decode(errors='replace')}"
+        for r, status in enumerate(store.multi_get(keys))
+        if status
+    ]
+    if failed:
+        raise _SetUpFailed("; ".join(failed))
 
 
 _stores: dict[tuple[str, int], Any] = {}
@@ -240,22 +279,42 @@ def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
     try:
         injector.at_start()
         value = fn(*args, **kwargs)
+        _refuse_awaitable(value)
     except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            if not isinstance(exc.code, int | None):
-                print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
-            outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
-        elif type(exc).__name__ == "Skipped":
-            outcome = _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
-        else:
-            outcome = _raised(task, exc)  # the traceback text, before its frames are cleared
+        outcome = _ended_by(task, exc)  # the traceback text, before its frames are cleared
         _undo(kwargs)
         _release(exc)
         del exc, args, kwargs
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
     _undo(kwargs)
+    missed = injector.unreached()
+    if missed is not None:
+        return _raised(task, missed)  # never raised: no traceback, the message says it all
     return _returned(task, value)
+
+
+def _ended_by(task: RunTask, exc: BaseException) -> RankOutcome:
+    if isinstance(exc, SystemExit):
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
+        outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
+        outcome.traceback = _user_traceback(exc)  # where it was called
+        return outcome
+    if type(exc).__name__ == "Skipped":
+        return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
+    return _raised(task, exc)
+
+
+def _refuse_awaitable(value: Any) -> None:
+    """Fail a coroutine test as pytest does without an async plugin, instead of passing it."""
+    if not (hasattr(value, "__await__") or hasattr(value, "__aiter__")):
+        return
+    with contextlib.suppress(Exception):
+        value.close()  # never awaited: no RuntimeWarning about it either
+    from _pytest.python import async_fail
+
+    async_fail("")  # raises pytest's Failed with pytest's own message
 
 
 def _release(exc: BaseException) -> None:
@@ -316,11 +375,16 @@ def _returned(task: RunTask, value: Any) -> RankOutcome:
     return outcome
 
 
-def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback text from the first frame that is not the worker's own."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # the report starts in the user's code, not in ours
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:
+    text = _user_traceback(exc)
     outcome = _ended(
         task,
         Ending.RAISED,

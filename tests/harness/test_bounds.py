@@ -211,3 +211,59 @@ def test_other_start_methods(pytester: pytest.Pytester, method: str) -> None:
     )
     result = pytester.runpytest_subprocess("-p", "harness", "--rank-start-method", method)
     result.assert_outcomes(passed=1)
+
+
+# ---- the harness's own set-up of a rank ------------------------------------------------------
+
+SETUP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"  # the first N set-ups fail on rank 1 (tests only)
+
+
+def test_a_failed_rank_set_up_is_retried_within_the_bound(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SETUP_FAILURES, "1")
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(3)
+        def test_body_runs_once_on_a_good_group(rank, shared_tmp_path):
+            (shared_tmp_path / f"ran-{rank}").touch(exist_ok=False)  # a second run would fail
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 3
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_a_set_up_that_keeps_failing_is_a_harness_error_not_the_tests(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SETUP_FAILURES, "99")
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(3)
+        def test_never_starts(rank):
+            raise AssertionError("the body must not run")
+
+        @pytest.mark.ranks(3)
+        @pytest.mark.parametrize("n", [1])
+        def test_next(rank, n):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-k", "never_starts")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*harness error: the ranks could not be set up for this test (3 attempts)*",
+            "*rank 1: RuntimeError: simulated set-up failure*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*root cause*")
+    result.stdout.no_fnmatch_line("*the body must not run*")
+    monkeypatch.delenv(SETUP_FAILURES)
+    inner.runpytest("-p", "harness", "-k", "next").assert_outcomes(passed=1)

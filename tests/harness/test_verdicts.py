@@ -1,0 +1,179 @@
+"""Verdicts that are true in every corner: no false green, the real root cause, clear reports.
+
+Each test here failed before its fix (issue 13 lists the cases).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# ---- false greens ---------------------------------------------------------------------------
+
+
+def test_an_async_test_fails_as_plain_pytest_fails_it(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        async def test_coroutine(rank):
+            assert False, "never awaited, never run"
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*async def functions are not natively supported*"])
+
+
+def test_a_fault_whose_point_is_never_reached_fails_the_test(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        from harness import fault_point
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.fault(rank=1, kind="raise", at="load_bach")
+        def test_typo(rank):
+            fault_point("load_batch")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.fault(rank=1, kind="delay", seconds=0, at="step", nth=3)
+        def test_too_few_passes(rank):
+            for _ in range(2):
+                fault_point("step")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 1 failed: raised FaultNotReached: fault raise at 'load_bach' was never "
+            "reached on rank 1*",
+            "*points passed on rank 1: 'load_batch' (1), 'start' (1)*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*fault delay at 'step' (pass 3) was never reached on rank 1*'step' (2)*"]
+    )
+
+
+# ---- the real root cause --------------------------------------------------------------------
+
+
+def test_a_rank_that_returns_while_peers_wait_is_named(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(4)
+        def test_leaves_early(rank):
+            if rank == 3:
+                return  # forgot the all_reduce: its group is torn down under the peers
+            t = torch.ones(1)
+            dist.all_reduce(t)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 3 returned while ranks 0, 1, 2 waited in all_reduce*",
+            "*rank 3 (pid *): returned [[]root cause[]]*",
+            "*rank 0 (pid *)*[[]collateral[]]*",
+        ]
+    )
+
+
+def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(3, timeout=3)
+        def test_out_of_step(rank):
+            t = torch.ones(1)
+            if rank == 0:
+                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=0)
+            else:
+                dist.all_reduce(t)
+                dist.all_reduce(t)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "ranks out of step: rank 0 in broadcast; ranks 1, 2 in all_reduce*",
+            "*rank 0 (pid *): hung in broadcast [[]out of step[]]*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*root cause*")
+
+
+# ---- clearer reports ------------------------------------------------------------------------
+
+
+def test_sys_exit_shows_where_it_was_called(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_exit_where="""
+        import sys, pytest
+
+        def give_up():
+            sys.exit(3)
+
+        @pytest.mark.ranks(2)
+        def test_exits(rank):
+            if rank == 1:
+                give_up()
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 1 (pid *): called sys.exit(3) [[]root cause[]]*",
+            "Traceback (most recent call last):",
+            '*test_exit_where.py", line *, in test_exits',
+            "*give_up()",
+            '*test_exit_where.py", line *, in give_up',
+            "*sys.exit(3)",
+            "SystemExit: 3",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*harness/worker.py*")
+
+
+def test_hang_stacks_show_each_frames_source_line(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_hang_source="""
+        import threading, pytest
+
+        @pytest.mark.ranks(2, timeout=2)
+        def test_hang(rank):
+            threading.Event().wait()  # stuck here
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.stdout.fnmatch_lines(
+        [
+            '*File "*test_hang_source.py", line 5 in test_hang',
+            "    threading.Event().wait()  # stuck here",
+        ]
+    )
+
+
+def test_a_skip_in_ranks_is_reported_at_the_test(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_skip_where="""
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_skipped(rank):
+            pytest.skip("not today")
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_skip_where.py:3: not today"])
