@@ -41,6 +41,16 @@ _PEER_ERROR_TEXT = re.compile(
 )
 
 
+@dataclass(frozen=True)
+class RankWarning:
+    """A warning a rank recorded (not an error under the test's filters)."""
+
+    category: str  # qualified name, e.g. "builtins.UserWarning"
+    message: str
+    filename: str
+    lineno: int
+
+
 @dataclass
 class RankOutcome:
     """One rank's end of one run: what it did, when, and what it printed."""
@@ -64,6 +74,7 @@ class RankOutcome:
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
+    warnings: list[RankWarning] = field(default_factory=list)
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 

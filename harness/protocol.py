@@ -59,6 +59,16 @@ class Target:
     qualname: str
 
 
+@dataclass(frozen=True)
+class WarningFilters:
+    """The warning filters pytest would apply to the test, for the ranks to apply."""
+
+    config: tuple[str, ...] = ()  # the ini's filterwarnings
+    cmdline: tuple[str, ...] = ()  # -W options
+    marks: tuple[str, ...] = ()  # the test's filterwarnings markers, closest last
+    python_warnoptions: bool = False  # python -W was given: pytest then adds no defaults
+
+
 def device_for(backend: Backend, rank: int) -> str:
     """The device a rank of `backend` uses: its own GPU with NCCL, the CPU with gloo."""
     return f"cuda:{rank}" if backend == "nccl" else "cpu"
@@ -76,6 +86,7 @@ class RankSpec:
     faults: tuple[Fault, ...] = ()
     expected: tuple[Expected, ...] = ()  # one per rank; empty: every rank must return
     hygiene: frozenset[str] = frozenset(CHECKS)  # the leftover checks to make after the body
+    warning_filters: WarningFilters = WarningFilters()
 
     def faults_on(self, rank: int) -> tuple[Fault, ...]:
         return tuple(f for f in self.faults if rank in f.ranks(self.world_size))

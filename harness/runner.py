@@ -18,6 +18,7 @@ from _pytest.outcomes import Failed
 
 from harness import expect as expectations
 from harness import faults as fault_specs
+from harness import rank_warnings
 from harness.errors import SpecError
 from harness.faults import Fault
 from harness.outcome import Ending, RankOutcome, failure_text, set_up_failure_text
@@ -46,6 +47,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
     spec = _with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
+    rank_warnings.reemit(outcomes)
     _record_leftovers(item, outcomes)
     judge(item.nodeid, spec, outcomes)
 
@@ -231,10 +233,14 @@ class RankRunner:
     ) -> WorldOutcome:
         target = function_target(fn)
         settings = settings_of(self._config)
-        spec = spec_for_call(settings, self._node, world_size, timeout, launch, backend, faults)
+        spec = spec_for_call(
+            self._config, settings, self._node, world_size, timeout, launch, backend, faults
+        )
         if spec.backend == "nccl":
             skip_without_gpus(spec.world_size)
-        return WorldOutcome(run(self._config, spec, target, encode_args(args, kwargs)))
+        outcomes = run(self._config, spec, target, encode_args(args, kwargs))
+        rank_warnings.reemit(outcomes)
+        return WorldOutcome(outcomes)
 
 
 def function_target(fn: Callable[..., Any]) -> Target:

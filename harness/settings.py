@@ -16,7 +16,7 @@ import pytest
 
 from harness import expect as expectations
 from harness import faults as fault_specs
-from harness import hygiene
+from harness import hygiene, rank_warnings
 from harness.errors import SpecError, invalid
 from harness.protocol import BACKENDS, START_METHODS, Backend, RankSpec, StartMethod
 
@@ -187,6 +187,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         faults=_marked_faults(item, world_size),
         expected=_marked_expectations(item, world_size),
         hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
+        warning_filters=rank_warnings.filters_for(item.config, item),
     )
 
 
@@ -243,6 +244,7 @@ def _allowed_leftovers(item: pytest.Function) -> frozenset[str]:
 
 
 def spec_for_call(
+    config: pytest.Config,
     settings: Settings,
     node: pytest.Item | None,
     world_size: int | None,
@@ -264,4 +266,5 @@ def spec_for_call(
         start_method=settings.start_method,
         launch=_launch(launch, "run_on_ranks(launch=...)"),
         faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
+        warning_filters=rank_warnings.filters_for(config, node),
     )

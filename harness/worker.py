@@ -19,7 +19,6 @@ import ctypes
 import faulthandler
 import gc
 import importlib
-import io
 import mmap
 import os
 import pickle
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import hygiene
+from harness import hygiene, rank_state, rank_warnings
 from harness.faults import Injector, rankwise_points
 from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
@@ -70,6 +69,8 @@ def main(conn: Any, files: RankFiles) -> None:
     faulthandler.register(DUMP_STACKS_SIGNAL, file=stack_file, all_threads=True)
     where = _WhereBoard(str(files.where))
     where.install()
+    global _baseline, _stack_file
+    _baseline, _stack_file = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,)), stack_file
     conn.send(Message(Kind.READY, Ready(os.getpid())))
     while True:
         try:
@@ -115,9 +116,7 @@ def _redirect_output(path: str) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    # Fresh line-buffered streams: what a rank prints survives even a hard death.
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    sys.stdout, sys.stderr = rank_state.open_streams()
     return fd
 
 
@@ -152,11 +151,16 @@ class _WhereBoard:
 def _serve(task: RunTask) -> RankOutcome:
     """Run one task on this rank and say how it ended; never raises."""
     saved_env = dict(os.environ)
+    cuda_device = rank_state.cuda_device()
     try:
         _enter_test_context(task)
         before = hygiene.snapshot()
-        with Injector(task.rank, task.faults).installed() as injector:
+        with (
+            rank_warnings.recording(task.spec.warning_filters) as log,
+            Injector(task.rank, task.faults).installed() as injector,
+        ):
             outcome = _run_target(task, injector)
+        outcome.warnings = rank_warnings.collected(log)
         group_left = task.launch_port is not None and dist.is_initialized()
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left)
         return outcome
@@ -168,6 +172,20 @@ def _serve(task: RunTask) -> RankOutcome:
         _teardown_group()
         os.environ.clear()
         os.environ.update(saved_env)
+        _restore(cuda_device)
+
+
+_baseline: rank_state.Baseline | None = None
+_stack_file: Any = None
+
+
+def _restore(cuda_device: int | None) -> None:
+    """Undo what the test did to this process (see rank_state), so the next test is not hurt."""
+    if _baseline is not None:
+        rank_state.restore(_baseline, cuda_device)
+    if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:  # a test took our signal
+        signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)
+        faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
 
 
 def _enter_test_context(task: RunTask) -> None:

@@ -69,7 +69,9 @@ def test_markers_and_run_on_ranks_share_one_timeout_precedence(
         settings = settings_of(item.config)
         assert spec_for(item, settings).timeout_s == seconds, name
         own = 7 if name == "test_own" else None  # run_on_ranks(timeout=7) in that test
-        assert spec_for_call(settings, item, 2, own, False, None, ()).timeout_s == seconds
+        assert (
+            spec_for_call(item.config, settings, item, 2, own, False, None, ()).timeout_s == seconds
+        )
 
 
 def test_an_explicit_timeout_is_checked_where_it_came_from() -> None:

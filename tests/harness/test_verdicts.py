@@ -177,3 +177,101 @@ def test_a_skip_in_ranks_is_reported_at_the_test(inner: pytest.Pytester) -> None
     result = inner.runpytest("-p", "harness", "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_skip_where.py:3: not today"])
+
+
+# ---- a later test never pays for an earlier one ----------------------------------------------
+
+BREAKS_THEN_CHECKS = {
+    "streams": (
+        "sys.stdout.close(); sys.stderr.close()",
+        "print('out ok'); print('err ok', file=sys.stderr)",
+    ),
+    "replaced-streams": ("sys.stdout = io.StringIO()", "assert sys.stdout.fileno() == 1"),
+    "fds": (
+        "os.close(0); os.close(1); os.close(2)",
+        "assert stat.S_ISREG(os.fstat(1).st_mode) and os.fstat(1).st_ino == os.fstat(2).st_ino; "
+        "os.fstat(0)",
+    ),
+    "cwd": ("os.chdir('/')", "assert os.getcwd() == START_CWD"),
+    "sys.path": ("sys.path[:] = ['/nowhere']", "import json; assert '/nowhere' not in sys.path"),
+    "signal": (
+        "signal.signal(signal.SIGTERM, lambda *a: None)",
+        "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL",
+    ),
+    "dtype": (
+        "torch.set_default_dtype(torch.float64)",
+        "assert torch.ones(1).dtype == torch.float32",
+    ),
+    "threads": ("torch.set_num_threads(7)", "assert torch.get_num_threads() == START_THREADS"),
+}
+
+
+@pytest.mark.parametrize("what", list(BREAKS_THEN_CHECKS))
+def test_a_warm_rank_is_restored_for_the_next_test(inner: pytest.Pytester, what: str) -> None:
+    breaks, checks = BREAKS_THEN_CHECKS[what]
+    inner.makepyfile(
+        f"""
+        import io, os, signal, stat, sys, pytest, torch
+
+        START_CWD = os.getcwd()
+        START_THREADS = torch.get_num_threads()
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.allow_leftovers()
+        def test_a_breaks(rank):
+            {breaks}
+
+        @pytest.mark.ranks(2)
+        def test_b_is_clean(rank):
+            {checks}
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.stdout.fnmatch_lines(["*test_a_breaks* PASSED*", "*test_b_is_clean* PASSED*"])
+
+
+# ---- pytest's warning filters apply inside ranks ---------------------------------------------
+
+WARNS_ON_RANK1 = """
+import warnings, pytest
+
+@pytest.mark.ranks(2)
+{marks}
+def test_warns(rank):
+    if rank == 1:
+        warnings.warn("careful", UserWarning)
+"""
+
+
+@pytest.mark.parametrize(
+    ("ini", "args", "marks"),
+    [
+        ("", ["-W", "error::UserWarning"], ""),
+        ("filterwarnings = error", [], ""),
+        ("", [], "@pytest.mark.filterwarnings('error::UserWarning')"),
+    ],
+    ids=["command-line", "ini", "marker"],
+)
+def test_a_warning_filtered_to_error_fails_the_rank(
+    inner: pytest.Pytester, ini: str, args: list[str], marks: str
+) -> None:
+    inner.makeini(f"[pytest]\nrank_timeout = 30\n{ini}\n")
+    inner.makepyfile(WARNS_ON_RANK1.format(marks=marks))
+    result = inner.runpytest("-p", "harness", *args)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 1 failed: raised UserWarning: careful*"])
+
+
+def test_a_marker_can_ignore_what_the_ini_makes_an_error(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\nrank_timeout = 30\nfilterwarnings = error\n")
+    inner.makepyfile(
+        WARNS_ON_RANK1.format(marks="@pytest.mark.filterwarnings('ignore:careful:UserWarning')")
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_rank_warnings_appear_in_the_summary_naming_the_rank(inner: pytest.Pytester) -> None:
+    inner.makepyfile(WARNS_ON_RANK1.format(marks=""))
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*warnings summary*", "*UserWarning: [[]rank 1[]] careful*"])

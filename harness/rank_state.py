@@ -1,0 +1,102 @@
+"""What a warm rank puts back after each test, so the next test starts as the first one did.
+
+Runs inside ranks only (imports torch). The worker takes a :class:`Baseline` once it is set
+up and restores it after every test: the standard streams and file descriptors 0-2 (a test
+may close or replace them; a later socket would then take fd 1 and a print would write into
+it), signal handlers, torch's default dtype and thread count, and the CUDA device. The
+working directory, ``sys.path`` and the environment are set afresh from each run's task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STANDARD_FDS = (0, 1, 2)
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    fds: dict[int, int]  # each standard fd -> a private duplicate of what it was
+    streams: tuple[Any, Any, Any]  # sys.stdin, sys.stdout, sys.stderr
+    handlers: dict[signal.Signals, Any]  # the Python-level handler of each catchable signal
+    dtype: torch.dtype
+    threads: int
+
+
+def open_streams() -> tuple[Any, Any]:
+    """Line-buffered stdout and stderr over fds 1 and 2: output survives a hard death."""
+    out = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    err = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    return out, err
+
+
+def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
+    """The rank's state now; `skip_signals` are handled at the C level and restored elsewhere."""
+    handlers = {
+        sig: signal.getsignal(sig)
+        for sig in signal.valid_signals()
+        if isinstance(sig, signal.Signals) and sig not in _UNCATCHABLE and sig not in skip_signals
+    }
+    return Baseline(
+        fds={fd: os.dup(fd) for fd in STANDARD_FDS},
+        streams=(sys.stdin, sys.stdout, sys.stderr),
+        handlers={sig: h for sig, h in handlers.items() if h is not None},
+        dtype=torch.get_default_dtype(),
+        threads=torch.get_num_threads(),
+    )
+
+
+def restore(base: Baseline, cuda_device: int | None) -> None:
+    """Put back everything in `base` that the test changed, and the CUDA device."""
+    _restore_fds(base)
+    _restore_streams(base)
+    for sig, handler in base.handlers.items():
+        if signal.getsignal(sig) != handler:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, handler)
+    if torch.get_default_dtype() != base.dtype:
+        torch.set_default_dtype(base.dtype)
+    if torch.get_num_threads() != base.threads:
+        torch.set_num_threads(base.threads)
+    if cuda_device is not None and _cuda_in_use():
+        torch.cuda.set_device(cuda_device)
+
+
+def cuda_device() -> int | None:
+    """The current CUDA device where CUDA is in use, else None."""
+    return torch.cuda.current_device() if _cuda_in_use() else None
+
+
+def _cuda_in_use() -> bool:
+    cuda: Any = torch.cuda  # untyped in torch's stubs
+    return bool(cuda.is_initialized())
+
+
+def _restore_fds(base: Baseline) -> None:
+    for fd, saved in base.fds.items():
+        if not _same_file(fd, saved):
+            os.dup2(saved, fd)
+
+
+def _same_file(fd: int, saved: int) -> bool:
+    try:
+        now, then = os.fstat(fd), os.fstat(saved)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+
+def _restore_streams(base: Baseline) -> None:
+    stdin, stdout, stderr = base.streams
+    if stdout.closed or stderr.closed:
+        stdout, stderr = open_streams()
+    sys.stdin, sys.stdout, sys.stderr = stdin, stdout, stderr

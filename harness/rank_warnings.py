@@ -1,0 +1,92 @@
+"""pytest's warning filters inside ranks, and rank warnings in pytest's summary.
+
+A rank applies the filters the pytest process would apply to the test (the ini's
+``filterwarnings``, ``-W``, then the test's ``filterwarnings`` markers, in pytest's order),
+so a warning filtered to an error fails the rank that raised it. Warnings a rank only
+records travel back and are re-emitted in the pytest process, "[rank k] message", so they
+show in the warnings summary. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from harness.outcome import RankOutcome, RankWarning, ranks_phrase
+from harness.protocol import WarningFilters
+
+
+def filters_for(config: pytest.Config, node: pytest.Item | None) -> WarningFilters:
+    """The filters pytest applies to `node` (the session's alone without one)."""
+    marks = () if node is None else node.iter_markers(name="filterwarnings")
+    return WarningFilters(
+        config=tuple(config.getini("filterwarnings")),
+        cmdline=tuple(config.known_args_namespace.pythonwarnings or ()),
+        marks=tuple(str(arg) for mark in marks for arg in mark.args),
+        python_warnoptions=bool(sys.warnoptions),
+    )
+
+
+@contextlib.contextmanager
+def recording(filters: WarningFilters) -> Iterator[list[warnings.WarningMessage]]:
+    """In a rank: apply `filters` as pytest would around a test, and record what passes them."""
+    from _pytest.config import apply_warning_filters, parse_warning_filter
+
+    with warnings.catch_warnings(record=True) as log:
+        if not filters.python_warnoptions:  # pytest shows deprecations unless told otherwise
+            warnings.filterwarnings("always", category=DeprecationWarning)
+            warnings.filterwarnings("always", category=PendingDeprecationWarning)
+        apply_warning_filters(filters.config, filters.cmdline)
+        for arg in filters.marks:
+            warnings.filterwarnings(*parse_warning_filter(arg, escape=False))
+        yield log
+
+
+def collected(log: Sequence[warnings.WarningMessage]) -> list[RankWarning]:
+    """What a rank recorded, in a form that travels."""
+    return [
+        RankWarning(
+            category=f"{w.category.__module__}.{w.category.__qualname__}",
+            message=str(w.message),
+            filename=w.filename,
+            lineno=w.lineno,
+        )
+        for w in log
+    ]
+
+
+def reemit(outcomes: Sequence[RankOutcome]) -> None:
+    """In the pytest process: warn once per distinct warning, naming the ranks that gave it.
+
+    Re-emitted with "always", since the ranks already applied the filters (the prefixed
+    message would not match a filter's message pattern again).
+    """
+    by_warning: dict[RankWarning, list[int]] = {}
+    for outcome in outcomes:
+        for found in outcome.warnings:
+            by_warning.setdefault(found, []).append(outcome.rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for found, ranks in by_warning.items():
+            warnings.warn_explicit(
+                f"[{ranks_phrase(ranks)}] {found.message}",
+                _category(found.category),
+                found.filename,
+                found.lineno,
+            )
+
+
+def _category(name: str) -> type[Warning]:
+    module, _, qualname = name.rpartition(".")
+    with contextlib.suppress(Exception):
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        if isinstance(found, type) and issubclass(found, Warning):
+            return found
+    return UserWarning
