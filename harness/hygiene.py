@@ -1,8 +1,9 @@
-"""What a test leaves behind in a rank: a process group, non-daemon threads, changed env.
+"""What a test leaves behind in a rank: a process group, non-daemon threads, changed env,
+processes still running (which the worker kills whatever the test allows).
 
 The worker snapshots before the body and compares after; the pytest side reports findings
 as a test error naming the rank. A test that means to leave something opts out with
-``@pytest.mark.allow_leftovers("group", "threads", "env")`` (no arguments: all three).
+``@pytest.mark.allow_leftovers("group", "threads", "env", "processes")`` (no arguments: all).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from harness.errors import SpecError, invalid
 
-CHECKS = ("group", "threads", "env")
+CHECKS = ("group", "threads", "env", "processes")
 # Variables libraries set for themselves on first use (torch's compile caches, Intel OpenMP's
 # KMP_* switches set when an MKL-linked package is imported): the test did not change them.
 LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_", "KMP_")
@@ -29,9 +30,23 @@ def snapshot() -> Snapshot:
     return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), dict(os.environ))
 
 
-def findings(before: Snapshot, checks: frozenset[str], group_left: bool) -> dict[str, str]:
-    """Each leftover, by check: a sentence saying what it is and what to do."""
+def findings(
+    before: Snapshot,
+    checks: frozenset[str],
+    group_left: bool,
+    processes: dict[int, str] | None = None,
+) -> dict[str, str]:
+    """Each leftover, by check: a sentence saying what it is and what to do.
+
+    `processes` are the ones the test left running (pid -> command line); already killed.
+    """
     found: dict[str, str] = {}
+    if "processes" in checks and processes:
+        listed = "; ".join(f"pid {pid}: {line[:200]}" for pid, line in sorted(processes.items()))
+        found["processes"] = (
+            f"left processes running (the harness killed them): {listed}; "
+            f"end the processes the test starts (wait for them, or terminate them)"
+        )
     if "group" in checks and group_left:
         found["group"] = (
             "left the process group it set up initialised: call "

@@ -28,8 +28,8 @@ MARKERS = (
     "seconds=1.0): inject a fault on a rank of a ranks test (repeatable; or Fault objects)",
     "expect(...): how each rank must end: expect(returns()), expect(rank=1, does=raises(E), "
     "others=returns()) or expect({rank: outcome}); see harness.expect",
-    "allow_leftovers(*kinds): let the test leave 'group', 'threads' or 'env' behind in its "
-    "ranks (no arguments: all three)",
+    "allow_leftovers(*kinds): let the test leave 'group', 'threads', 'env' or 'processes' "
+    "behind in its ranks (no arguments: all four; processes are killed all the same)",
 )
 
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from harness import reaper
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
     Backend,
@@ -95,6 +96,7 @@ class _Slot:
         self.pid: int = self.process.pid
 
     def kill(self) -> None:
+        reaper.kill_tree(self.pid)  # what it started, in its session or in new ones
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)  # the rank and anything it started
         with contextlib.suppress(Exception):
@@ -310,7 +312,7 @@ _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
 def _context(start_method: str) -> Any:
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["harness.worker"])
+        ctx.set_forkserver_preload(["harness.worker", "harness.forkserver_guard"])
     return ctx
 
 

@@ -56,7 +56,7 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
 
 
 def restore(base: Baseline, cuda_device: int | None) -> None:
-    """Put back everything in `base` that the test changed, and the CUDA device."""
+    """Put back everything in `base` that the test changed, and the CUDA device it began on."""
     _restore_fds(base)
     _restore_streams(base)
     for sig, handler in base.handlers.items():
@@ -67,8 +67,8 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
         torch.set_default_dtype(base.dtype)
     if torch.get_num_threads() != base.threads:
         torch.set_num_threads(base.threads)
-    if cuda_device is not None and _cuda_in_use():
-        torch.cuda.set_device(cuda_device)
+    if _cuda_in_use():  # None: the test started CUDA, on the default device 0
+        torch.cuda.set_device(0 if cuda_device is None else cuda_device)
 
 
 def cuda_device() -> int | None:

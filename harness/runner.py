@@ -110,7 +110,10 @@ def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> N
 def _record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
     lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
     if lines:
-        hint = "(a test that means it: @pytest.mark.allow_leftovers('group', 'threads', 'env'))"
+        kinds = ", ".join(
+            f"'{kind}'" for kind in sorted({k for o in outcomes for k in o.leftovers})
+        )
+        hint = f"(a test that means it: @pytest.mark.allow_leftovers({kinds}))"
         item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], hint])
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import hygiene, rank_state, rank_warnings
+from harness import hygiene, rank_state, rank_warnings, reaper
 from harness.faults import Injector, rankwise_points
 from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
@@ -63,6 +63,7 @@ def main(conn: Any, files: RankFiles) -> None:
     """Process entry point: serve runs until the pytest side goes away or kills the rank."""
     _release_forkserver()
     _die_with_parent()
+    reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
     capture_fd = _redirect_output(str(files.capture))
     stack_file = open(files.stacks, "a")  # noqa: SIM115 - must outlive this frame
@@ -162,7 +163,9 @@ def _serve(task: RunTask) -> RankOutcome:
             outcome = _run_target(task, injector)
         outcome.warnings = rank_warnings.collected(log)
         group_left = task.launch_port is not None and dist.is_initialized()
-        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left)
+        left = reaper.leftovers(os.getpid())
+        reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
+        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
         return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")

@@ -275,3 +275,25 @@ def test_rank_warnings_appear_in_the_summary_naming_the_rank(inner: pytest.Pytes
     result = inner.runpytest("-p", "harness")
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*warnings summary*", "*UserWarning: [[]rank 1[]] careful*"])
+
+
+@pytest.mark.gpu
+def test_the_cuda_device_is_restored_for_the_next_test(inner: pytest.Pytester) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    inner.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.mark.ranks(1)
+        def test_a_moves(rank):
+            torch.cuda.set_device(1)
+
+        @pytest.mark.ranks(1)
+        def test_b_starts_on_device_0(rank):
+            assert torch.cuda.current_device() == 0
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)

@@ -1,0 +1,114 @@
+"""No process outlives its test, or pytest: child subreapers and tree kills (Linux).
+
+A rank worker is a child subreaper: whatever its test starts (a child, a child's child in a
+new session) stays in the worker's subtree, so the worker can find it when the test ends
+and kill it. The forkserver that starts the ranks is a subreaper too, and kills its whole
+tree when it exits, which it does when pytest ends, however pytest ends (see
+``forkserver_guard``). Elsewhere than Linux these are no-ops. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+_PR_SET_CHILD_SUBREAPER = 36
+# Long-lived helpers a process keeps for itself: not a test's leftovers, and killing them
+# would break the worker's later use of them (they exit with it).
+HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "torch._inductor.compile_worker",
+)
+KILL_WAIT_S = 5.0
+_ON_LINUX = sys.platform.startswith("linux")
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children instead of init's."""
+    if not _ON_LINUX:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live (not zombie) process below `root`, parents before their children."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found: list[int] = []
+    queue = list(children.get(root, []))
+    while queue:
+        pid = queue.pop(0)
+        found.append(pid)
+        queue += children.get(pid, [])
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def leftovers(root: int) -> dict[int, str]:
+    """The processes a test left below `root`, by pid, with their command lines."""
+    found = {pid: command_line(pid) for pid in descendants(root)}
+    return {pid: line for pid, line in found.items() if not any(h in line for h in HELPERS)}
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL `pids` and wait, bounded, until none runs; reap those that are our children."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            if not _running(pid):
+                pending.discard(pid)
+        if pending:
+            time.sleep(0.01)
+
+
+def kill_tree(root: int) -> None:
+    """Kill everything below `root` (not `root` itself)."""
+    kill(descendants(root))
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process."""
+    found: dict[int, int] = {}
+    if not _ON_LINUX:
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        if fields and fields[0] != "Z":
+            found[int(entry)] = int(fields[1])
+    return found
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: state, ppid, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _running(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"

@@ -1,0 +1,108 @@
+"""No process outlives its test or pytest: children, grandchildren, in the rank's session or
+in new ones, after a normal end, Ctrl-C, SIGTERM or SIGKILL of pytest."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness.conftest import alive, assert_all_gone, kill_quietly, wait_until
+
+# Each rank starts a child in its own session, one in a new session, and a grandchild
+# orphaned at once (its parent exits) in a new session; it records their pids.
+STARTS_CHILDREN = """
+import os, subprocess, sys, pytest
+
+SLEEP = "import time; time.sleep(600)"
+
+def start_children(tag):
+    pids = []
+    pids.append(subprocess.Popen([sys.executable, "-c", SLEEP, tag + "-same"]).pid)
+    pids.append(
+        subprocess.Popen([sys.executable, "-c", SLEEP, tag + "-new"], start_new_session=True).pid
+    )
+    spawner = (
+        "import subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', {SLEEP!r}, {tag!r} + '-orphan'], "
+        "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print(p.pid)"
+    )
+    out = subprocess.run([sys.executable, "-c", spawner], capture_output=True, text=True)
+    pids.append(int(out.stdout))
+    with open(f"child-{tag}", "w") as f:
+        f.write(" ".join(map(str, pids)))
+"""
+
+
+def _children(directory: Path) -> list[int]:
+    return [int(p) for f in sorted(directory.glob("child-*")) for p in f.read_text().split()]
+
+
+def test_processes_a_test_leaves_are_killed_and_reported(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        STARTS_CHILDREN
+        + """
+@pytest.mark.ranks(2)
+def test_leaves_children(rank):
+    start_children(f"r{rank}")
+
+@pytest.mark.ranks(2)
+@pytest.mark.allow_leftovers("processes")
+def test_allowed(rank):
+    start_children(f"allowed{rank}")
+
+@pytest.mark.ranks(2)
+def test_next_is_clean(rank):
+    pass
+"""
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_leaves_children*",
+            "*hygiene: rank 0 left processes running (the harness killed them): pid *"
+            "time.sleep(600) r0-same*r0-new*r0-orphan*",
+            "*allow_leftovers('processes')*",
+        ]
+    )
+    pids = _children(inner.path)
+    assert len(pids) == 12
+    assert not [p for p in pids if alive(p)]  # killed at each test's end, allowed or not
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "normal end"])
+def test_no_descendant_outlives_pytest(pytester: pytest.Pytester, how: str) -> None:
+    hang = "(timeout=3)" if how == "normal end" else "(timeout=120)"
+    pytester.makepyfile(
+        STARTS_CHILDREN
+        + f"""
+import threading
+
+@pytest.mark.ranks{hang}
+def test_hangs_with_children(rank):
+    start_children(f"r{{rank}}")
+    threading.Event().wait()
+"""
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        cwd=pytester.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: len(_children(pytester.path)) == 6, 60, "every rank's children")
+        pids = _children(pytester.path)
+        if how != "normal end":
+            proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+        assert_all_gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+        kill_quietly(_children(pytester.path))
