@@ -1,21 +1,45 @@
 """Labelled collectives that never leave a rank waiting: all_reduce and broadcast_from.
 
-Both are thin public functions over one private core. Each rank runs `fn` itself and joins
-the exchange whatever happened, sending its outcome (value, error or exit) rather than only
-its value; so when any rank's `fn` fails, every rank learns it in the same exchange and raises
-together instead of waiting in a collective the failed rank never reaches.
+Both are thin public functions over one private core, which the gathers and the group
+wrapper use too. Each rank runs `fn` itself and joins the exchange whatever happened. The
+first exchange of every labelled collective is the same one: a fixed-size header from every
+rank carrying its collective's kind and label, its status (ok, error, exit), the sizes that
+follow, and a small value itself when it fits. So every rank learns in that one exchange
+whether any rank failed or is in another collective, and raises together instead of waiting
+in a collective a peer never reaches. Only when something is wrong does a second exchange
+carry the words (each rank's call and error) for the message.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
 
 from rankwise import _points, _transport, _wire
 from rankwise._launch import is_initialized, launch_world_size, rank, size
-from rankwise._wire import Record
 
 _V = TypeVar("_V")
+
+# Each kind's code in the header; any fixed distinct integers do.
+_KINDS = {
+    "all_reduce": 1,
+    "broadcast_from": 2,
+    "gather_bytes": 3,
+    "gather_state_dicts": 4,
+    "get_dist_syncd_obj": 5,
+}
+_STATUSES = ("ok", "error", "exit")
+_FIELDS = 7  # kind, key, status, length, root, chunk, code: int64 each
+# The header's fixed size. A value that fits in the rest rides in the header itself, so a
+# small all_reduce or broadcast_from moves in the header exchange alone.
+HEADER_BYTES = 4096
+INLINE_BYTES = HEADER_BYTES - 8 * _FIELDS
 
 
 def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _V]) -> _V:
@@ -29,14 +53,10 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
     rank exits with its own code, or the first one's. The same `label` must be used on every
     rank; ranks out of step raise.
     """
-    _check_label("all_reduce", label)
-    if _single_process("all_reduce", label):
+    call = Call("all_reduce", _checked_label("all_reduce", label))
+    if single_process(call.text):
         return combine([fn()])
-    with _points.point("all_reduce", label):
-        mine, error = _run_fn("all_reduce", label, fn)
-        records = [Record.from_bytes(b) for b in _transport.all_gather_bytes(mine.to_bytes())]
-    _raise_for_failures(mine, error, records)
-    return combine([_wire.decode(record.payload) for record in records])
+    return combine(gather_values(call, fn, None))
 
 
 def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
@@ -47,67 +67,265 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     single process `fn()`'s value comes back as it is. If `fn` fails on `src`, or its value
     cannot travel, every rank raises instead of waiting: `src` its own error, the others a
     SystemExit with its code if it exited, else a RuntimeError naming it. A receiving rank
-    whose label differs from `src`'s raises; `src` cannot tell and returns its value.
+    whose label differs from `src`'s raises; `src` returns its value (the spec's contract).
+    Ranks in another collective, or naming another `src`, raise on every rank.
     """
-    _check_label("broadcast_from", label)
+    call = Call("broadcast_from", _checked_label("broadcast_from", label))
     if isinstance(src, bool) or not isinstance(src, int):
-        raise TypeError(f"broadcast_from({label!r}): src must be an int rank; got {src!r}")
-    if _single_process("broadcast_from", label):
-        _check_src(label, src, 1)
+        raise TypeError(f"{call.text}: src must be an int rank; got {src!r}")
+    if single_process(call.text):
+        _check_src(call, src, 1)
         return fn()
-    _check_src(label, src, size())
-    with _points.point("broadcast_from", label):
+    _check_src(call, src, size())
+    with _points.point(call.kind, call.label):
         if rank() == src:
-            mine, error = _run_fn("broadcast_from", label, fn)
-            _transport.broadcast_bytes(mine.to_bytes(), src)
-            if error is not None:
-                raise error
-            return _wire.decode(mine.payload)  # type: ignore[no-any-return]
-        record = Record.from_bytes(_transport.broadcast_bytes(None, src))
-    _raise_for_source(label, src, record)
-    return _wire.decode(record.payload)  # type: ignore[no-any-return]
+            entry, error, payload = run_fn(call, fn)
+        else:
+            entry, error, payload = Entry(), None, b""
+        headers = exchange(call, replace(entry, root=src), None, payload)
+        _raise_for_source(headers, error, src)
+        data = headers.inline[headers.members.index(src)]
+        if data is None:  # too large for src's header
+            sent = payload if rank() == src else None
+            data = _transport.broadcast_known(sent, headers.of(src).length, src)
+    _raise_for_receiver(headers, src)
+    return load(data, f"{call.text}: src rank {src}'s value")  # type: ignore[no-any-return]
 
 
 # ---- the core ------------------------------------------------------------------------------
 
 
-def _check_label(kind: str, label: str) -> None:
-    if not isinstance(label, str):
-        raise TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
+@dataclass(frozen=True)
+class Call:
+    """A labelled collective as ranks must agree on it, and how messages name it."""
+
+    kind: str
+    label: str
+    text: str = ""  # how messages name this rank's call; kind('label') by default
+
+    def __post_init__(self) -> None:
+        if not self.text:
+            object.__setattr__(self, "text", f"{self.kind}({self.label!r})")
+
+    @property
+    def key(self) -> int:
+        """A digest of kind and label, the same in every process (unlike hash())."""
+        digest = hashlib.blake2b(f"{self.kind}\0{self.label}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
 
 
-def _check_src(label: str, src: int, world: int) -> None:
-    if not 0 <= src < world:
-        raise ValueError(
-            f"broadcast_from({label!r}): src={src} is not a rank of this run of {world}; "
-            f"use 0..{world - 1}"
+@dataclass(frozen=True)
+class Entry:
+    """One rank's fixed-size header: what it contributes to the first exchange."""
+
+    status: str = "ok"
+    length: int = 0  # the bytes this rank sends next
+    root: int = -1  # src or dst, for collectives that have one
+    chunk: int = 0  # gather_bytes' chunk_bytes
+    code: int = 0  # the exit code when status is "exit"
+    error: str = ""  # "ValueError: bad batch"; travels only in the second exchange
+
+
+@dataclass(frozen=True)
+class Headers:
+    """Every member's header from the first exchange, in group order."""
+
+    call: Call
+    members: list[int]  # global ranks, in group order
+    kinds: list[int]
+    keys: list[int]
+    entries: list[Entry]
+    texts: list[str]  # each rank's call text; filled only when something is wrong
+    inline: list[bytes | None]  # each rank's payload, where it fit in the header
+
+    def of(self, global_rank: int) -> Entry:
+        return self.entries[self.members.index(global_rank)]
+
+    @property
+    def in_step(self) -> bool:
+        return all(key == self.call.key for key in self.keys)
+
+    @property
+    def agreed(self) -> bool:
+        """In step, no failure, and the same root and chunk size everywhere."""
+        first = self.entries[0]
+        return self.in_step and all(
+            e.status == "ok" and (e.root, e.chunk) == (first.root, first.chunk)
+            for e in self.entries
         )
 
 
-def _single_process(kind: str, label: str) -> bool:
-    """True for a process on its own; raises for a launched rank whose group is not set up."""
+def exchange(call: Call, mine: Entry, group: Any, payload: bytes = b"") -> Headers:
+    """All-gather every rank's header; when any rank failed or is out of step, its words too.
+
+    `payload` rides along when it fits. Every rank sees the same headers, so every rank
+    takes the second exchange or none does.
+    """
+    device = _transport.exchange_device(group)
+    members = _members(group)
+    header = _header(call, mine, payload).to(device)
+    rows = _transport.all_gather_fixed(header, members[0], group).view(-1, HEADER_BYTES).cpu()
+    fields = rows[:, : 8 * _FIELDS].contiguous().view(torch.int64).tolist()
+    entries = [Entry(_STATUSES[s], n, r, c, x) for _, _, s, n, r, c, x in fields]
+    inline = [
+        _transport.to_bytes(row[8 * _FIELDS :], e.length) if _fits(e) else None
+        for row, e in zip(rows, entries, strict=True)
+    ]
+    keys = [f[1] for f in fields]
+    headers = Headers(call, members, [f[0] for f in fields], keys, entries, [], inline)
+    if headers.agreed:
+        return headers
+    said = _exchange_words(call.text, mine.error, members[0], group)
+    entries = [replace(e, error=w["error"]) for e, w in zip(entries, said, strict=True)]
+    return replace(headers, entries=entries, texts=[w["call"] for w in said])
+
+
+def _exchange_words(text: str, error: str, root: int, group: Any) -> list[dict[str, str]]:
+    """Every rank's call text and error, for the message: one more fixed-size exchange."""
+    words = _words(text, error)
+    block = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    block[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
+    device = _transport.exchange_device(group)
+    rows = _transport.all_gather_fixed(block.to(device), root, group).view(-1, HEADER_BYTES)
+    return [json.loads(bytes(row.cpu().numpy()).rstrip(b"\0")) for row in rows]
+
+
+def _words(text: str, error: str) -> bytes:
+    """JSON of the call and the error, the error shortened until it fits in a header."""
+    while True:
+        words = json.dumps({"call": text[:400], "error": error}).encode()
+        if len(words) <= HEADER_BYTES:
+            return words
+        error = error[: len(error) // 2] + "..."
+
+
+def _header(call: Call, mine: Entry, payload: bytes) -> torch.Tensor:
+    fields = [_KINDS[call.kind], call.key, _STATUSES.index(mine.status), mine.length]
+    fields += [mine.root, mine.chunk, mine.code]
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[: 8 * _FIELDS].view(torch.int64)[:] = torch.tensor(fields, dtype=torch.int64)
+    if payload and _fits(mine):
+        inline = _transport.readonly_tensor(memoryview(payload))
+        header[8 * _FIELDS : 8 * _FIELDS + len(payload)] = inline
+    return header
+
+
+def _fits(entry: Entry) -> bool:
+    return entry.status == "ok" and entry.length <= INLINE_BYTES
+
+
+def out_of_step(headers: Headers) -> RuntimeError:
+    """The error every rank raises when ranks are in different labelled collectives."""
+    where = "; ".join(
+        f"rank {m} in {t}" for m, t in zip(headers.members, headers.texts, strict=True)
+    )
+    return RuntimeError(
+        f"{headers.call.text} on rank {rank()}: ranks out of step ({where}); every rank must "
+        f"reach the same labelled collectives in the same order"
+    )
+
+
+def raise_if_disagreeing(headers: Headers, name: str, values: list[int]) -> None:
+    """Raise on every rank when members passed different values of an argument `name`."""
+    if len(set(values)) > 1:
+        each = ", ".join(f"rank {m}: {v}" for m, v in zip(headers.members, values, strict=True))
+        raise ValueError(
+            f"{headers.call.text} on rank {rank()}: ranks disagree on {name} ({each}); every "
+            f"rank must pass the same {name}"
+        )
+
+
+def raise_for_failures(
+    headers: Headers, error: BaseException | None, failed_as: str = "raised"
+) -> None:
+    """Raise on every rank if any rank failed or is out of step (see all_reduce for who
+    raises what); `failed_as` words the others' message: "rank 2 raised ValueError: ..."."""
+    if not headers.in_step:
+        raise out_of_step(headers)
+    failed = [
+        (m, e) for m, e in zip(headers.members, headers.entries, strict=True) if e.status == "error"
+    ]
+    if failed:
+        if error is not None and not isinstance(error, SystemExit):
+            raise error
+        first, entry = failed[0]
+        raise RuntimeError(f"{headers.call.text}: rank {first} {failed_as} {entry.error}")
+    exits = [e for e in headers.entries if e.status == "exit"]
+    if exits:
+        if error is not None:
+            raise error
+        raise SystemExit(exits[0].code)
+
+
+def gather_values(call: Call, fn: Callable[[], Any], group: Any) -> list[Any]:
+    """Run `fn` here, then every member's value, loaded, in group order (all_reduce's core)."""
+    with _points.point(call.kind, call.label):
+        entry, error, payload = run_fn(call, fn)
+        headers = exchange(call, entry, group, payload)
+        raise_for_failures(headers, error)
+        blobs = [b for b in headers.inline if b is not None]
+        if len(blobs) < len(headers.entries):  # a value too large for its header
+            sizes = [e.length for e in headers.entries]
+            blobs = _transport.all_gather_known(payload, sizes, group)
+    return [
+        load(blob, f"{call.text}: rank {member}'s value")
+        for member, blob in zip(headers.members, blobs, strict=True)
+    ]
+
+
+def run_fn(call: Call, fn: Callable[[], object]) -> tuple[Entry, BaseException | None, bytes]:
+    """Run `fn` and encode what happened; whatever it was, the caller still joins."""
+    try:
+        payload = _wire.encode(fn(), f"{call.text} on rank {rank()}")
+    except SystemExit as exc:
+        return Entry("exit", code=_exit_code(exc)), exc, b""
+    except BaseException as exc:
+        return Entry("error", error=f"{type(exc).__name__}: {exc}"), exc, b""
+    return Entry(length=len(payload)), None, payload
+
+
+def load(data: bytes, what: str) -> Any:
+    """Decode bytes another rank sent; a refused payload names who sent it, never runs."""
+    try:
+        return _wire.decode(data)
+    except Exception as exc:
+        raise RuntimeError(
+            f"{what} does not load with torch.load(weights_only=True) "
+            f"({_wire.refusal(exc)}); it was refused and nothing in it was run"
+        ) from None
+
+
+def single_process(text: str, group: Any = None) -> bool:
+    """True for a process on its own (or a group of one); raises for a launched rank alone."""
     if is_initialized():
-        return size() == 1
+        return size(group) == 1
     world = launch_world_size()
     if world > 1:
         raise RuntimeError(
-            f"{kind}({label!r}): this process is one of {world} launched ranks "
-            f"(WORLD_SIZE={world}) but no process group is set up; call it inside "
-            f"distributed_run(), or after torch.distributed.init_process_group()"
+            f"{text}: this process is one of {world} launched ranks (WORLD_SIZE={world}) but "
+            f"no process group is set up; call it inside distributed_run(), or after "
+            f"torch.distributed.init_process_group()"
         )
     return True
 
 
-def _run_fn(kind: str, label: str, fn: Callable[[], object]) -> tuple[Record, BaseException | None]:
-    """Run `fn` and encode what happened; whatever it was, the caller still joins."""
-    try:
-        value = fn()
-        payload = _wire.encode(value, f"{kind}({label!r}) on rank {rank()}")
-    except SystemExit as exc:
-        return Record(kind, label, "exit", code=_exit_code(exc)), exc
-    except BaseException as exc:
-        return Record(kind, label, "error", error=f"{type(exc).__name__}: {exc}"), exc
-    return Record(kind, label, "ok", payload=payload), None
+def _members(group: Any) -> list[int]:
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _checked_label(kind: str, label: str) -> str:
+    if not isinstance(label, str):
+        raise TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
+    return label
+
+
+def _check_src(call: Call, src: int, world: int) -> None:
+    if not 0 <= src < world:
+        raise ValueError(
+            f"{call.text}: src={src} is not a rank of this run of {world}; use 0..{world - 1}"
+        )
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -116,35 +334,25 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
-def _raise_for_failures(mine: Record, error: BaseException | None, records: list[Record]) -> None:
-    """Raise on every rank if any rank's fn failed (see all_reduce for who raises what)."""
-    if any(record.call != mine.call for record in records):
-        where = "; ".join(f"rank {r} in {record.call}" for r, record in enumerate(records))
-        raise RuntimeError(
-            f"{mine.call} on rank {rank()}: ranks out of step ({where}); every rank must "
-            f"reach the same labelled collectives in the same order"
-        )
-    errors = [(r, record) for r, record in enumerate(records) if record.status == "error"]
-    if errors:
-        if mine.status == "error" and error is not None:
+def _raise_for_source(headers: Headers, error: BaseException | None, src: int) -> None:
+    """Before the value moves: every rank raises for another kind or src, or a failed src."""
+    if any(kind != _KINDS[headers.call.kind] for kind in headers.kinds):
+        raise out_of_step(headers)
+    raise_if_disagreeing(headers, "src", [e.root for e in headers.entries])
+    source = headers.of(src)
+    if source.status == "exit":
+        raise error if error is not None else SystemExit(source.code)
+    if source.status == "error":
+        if error is not None:
             raise error
-        first, record = errors[0]
-        raise RuntimeError(f"{mine.call}: rank {first} raised {record.error}")
-    exits = [record for record in records if record.status == "exit"]
-    if exits:
-        if mine.status == "exit" and error is not None:
-            raise error
-        raise SystemExit(exits[0].code)
+        raise RuntimeError(f"{headers.call.text}: src rank {src} raised {source.error}")
 
 
-def _raise_for_source(label: str, src: int, record: Record) -> None:
-    expected = f"broadcast_from({label!r})"
-    if record.call != expected:
+def _raise_for_receiver(headers: Headers, src: int) -> None:
+    """After the value moved: a receiver whose label differs from src's raises, alone."""
+    at = headers.members.index(src)
+    if headers.keys[at] != headers.call.key:
         raise RuntimeError(
-            f"{expected} on rank {rank()}: ranks out of step: src rank {src} is in "
-            f"{record.call}; every rank must reach the same labelled collectives in order"
+            f"{headers.call.text} on rank {rank()}: ranks out of step: src rank {src} is in "
+            f"{headers.texts[at]}; every rank must reach the same labelled collectives in order"
         )
-    if record.status == "exit":
-        raise SystemExit(record.code)
-    if record.status == "error":
-        raise RuntimeError(f"{expected}: src rank {src} raised {record.error}")

@@ -92,10 +92,13 @@ def fsdp2_wrap(
 ) -> list[nn.Module]:
     """Find a HF causal LM's decoder layers and FSDP2-shard each, then the root.
 
-    With `shard_root=False` the root (embeddings, head, final norm) stays replicated. Returns
+    Every shard, the root's too, is resharded after each forward, so embeddings, head and
+    final norm are sharded between steps, not replicated. With `shard_root=False` the root
+    (embeddings, head, final norm) stays replicated. Returns
     the detected layers. Parameters of a dtype other than the model's dominant one are left
     out of the shards, stay replicated, and are moved to the shards' compute device (which
-    fully_shard does not do for parameters it ignores), also under CPU offload.
+    fully_shard does not do for parameters it ignores), also under CPU offload; on a model
+    built on the meta device they stay there, for the caller to materialise with the rest.
     `config.architectures` is kept. `cpu_offload` keeps the shards in host memory between
     uses; on a machine without an accelerator the parameters are there already and it
     changes nothing.
@@ -119,6 +122,9 @@ def fsdp2_wrap(
     # Without an accelerator the parameters live on the CPU already: nothing to offload.
     offload = cpu_offload and torch.accelerator.is_available()
     options: dict[str, Any] = {
+        # Explicit for the root too: FSDP2 keeps a root unsharded after forward by default,
+        # which would leave embeddings, head and norm whole on every rank between steps.
+        "reshard_after_forward": True,
         "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
     }
@@ -138,12 +144,16 @@ def _within(module: nn.Module, params: set[nn.Parameter]) -> set[nn.Parameter]:
 
 
 def _move_to_compute_device(params: set[nn.Parameter]) -> None:
-    """Put the replicated off-dtype parameters where the shards compute (also under offload)."""
+    """Put the replicated off-dtype parameters where the shards compute (also under offload).
+
+    Parameters still on the meta device have no data to move: the caller materialises them
+    later (`to_empty`, then a state dict), as it does the shards.
+    """
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
     for param in params:
-        if param.device != device:
+        if param.device != device and not param.is_meta:
             param.data = param.data.to(device)

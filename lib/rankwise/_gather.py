@@ -1,8 +1,10 @@
 """Gathering bytes and state dicts to one rank, in bounded chunks, without pickle.
 
-Both exchange a small header first (each rank's length, or the error that kept it from
-contributing), so a rank with bad input makes every rank raise instead of leaving the others
-waiting; then the data moves `chunk_bytes` per rank at a time, bounding device memory.
+Both start with the labelled collectives' header exchange (each rank's length, dst and
+chunk size, or the error that kept it from contributing), so a rank with bad input makes
+every rank raise instead of leaving the others waiting; then the data moves `chunk_bytes`
+per rank at a time, bounding device memory. On the CPU each chunk lands straight in dst's
+result buffers, so dst's memory grows by little more than the bytes it returns.
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from rankwise import _points, _transport, _wire
-from rankwise._launch import is_initialized, launch_world_size, rank
-from rankwise._wire import Record
+from rankwise._collectives import (
+    Call,
+    Entry,
+    exchange,
+    raise_for_failures,
+    raise_if_disagreeing,
+    single_process,
+)
+from rankwise._launch import is_initialized, rank
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 _BYTES_LIKE = (bytes, bytearray, memoryview)
@@ -30,19 +40,19 @@ def gather_bytes(
 
     Returns the group's bytes in group order on `dst` and None on the other ranks. Lengths
     may differ per rank. At most `chunk_bytes` per rank move at a time. Bad arguments raise
-    on every rank before anyone waits: `chunk_bytes` or `dst` at once, and data that is not
-    bytes-like on one rank through the header exchange.
+    on every rank before anyone waits: each rank's are checked, and `dst` and `chunk_bytes`
+    compared, in the first exchange; a rank with a bad one raises its own error, the others
+    a RuntimeError naming it, and ranks that disagree all raise a ValueError naming the values.
     """
-    what = f"gather_bytes(dst={dst})"
-    _check_chunk(what, chunk_bytes)
-    error = None
-    if not isinstance(data, _BYTES_LIKE):
-        error = TypeError(
-            f"{what} on rank {rank()}: data must be bytes, bytearray or memoryview; got "
-            f"{type(data).__name__}. Encode it first (e.g. torch.save to a BytesIO)"
-        )
-        data = b""
-    return _gather(what, memoryview(data).cast("B"), error, dst, group, chunk_bytes)
+    call = Call("gather_bytes", "", f"gather_bytes(dst={dst!r})")
+    view: memoryview | bytes = b""
+    error: BaseException | None = None
+    try:
+        _check_chunk(call.text, chunk_bytes)
+        view = _byte_view(call.text, data)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    return _gather(call, view, error, dst, group, chunk_bytes)
 
 
 def gather_state_dicts(
@@ -55,21 +65,21 @@ def gather_state_dicts(
     only when reached, so host memory holds one decoded dict at a time. Elsewhere it is
     empty. A payload that would run code when loaded is refused, never run.
     """
-    what = f"gather_state_dicts(dst={dst})"
+    call = Call("gather_state_dicts", "", f"gather_state_dicts(dst={dst!r})")
     error: BaseException | None = None
     blob = b""
     try:
         if not isinstance(state, dict):
             raise TypeError(
-                f"{what} on rank {rank()}: state must be a dict; got {type(state).__name__}"
+                f"{call.text} on rank {rank()}: state must be a dict; got {type(state).__name__}"
             )
-        blob = _wire.encode(state, f"{what} on rank {rank()}")
+        blob = _wire.encode(state, f"{call.text} on rank {rank()}")
     except Exception as exc:
         error = exc
-    blobs = _gather(what, memoryview(blob), error, dst, group, DEFAULT_CHUNK_BYTES)
+    blobs = _gather(call, memoryview(blob), error, dst, group, DEFAULT_CHUNK_BYTES)
     if blobs is None:
         return iter(())
-    return _decode_each(what, blobs, _members(group))
+    return _decode_each(call.text, blobs, _members(group))
 
 
 def _decode_each(what: str, blobs: list[bytearray], members: list[int]) -> Iterator[dict[str, Any]]:
@@ -80,8 +90,8 @@ def _decode_each(what: str, blobs: list[bytearray], members: list[int]) -> Itera
         except Exception as exc:
             raise RuntimeError(
                 f"{what}: rank {member}'s state does not load with torch.load(weights_only="
-                f"True) ({type(exc).__name__}: {exc}); it was refused, nothing in it was run"
-            ) from exc
+                f"True) ({_wire.refusal(exc)}); it was refused, nothing in it was run"
+            ) from None
         del blob
         yield state
 
@@ -89,6 +99,22 @@ def _decode_each(what: str, blobs: list[bytearray], members: list[int]) -> Itera
 def _check_chunk(what: str, chunk_bytes: int) -> None:
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"{what}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+
+
+def _byte_view(what: str, data: Any) -> memoryview:
+    """`data` as flat bytes without copying it; a clear error for what cannot be that."""
+    if not isinstance(data, _BYTES_LIKE):
+        raise TypeError(
+            f"{what} on rank {rank()}: data must be bytes, bytearray or memoryview; got "
+            f"{type(data).__name__}. Encode it first (e.g. torch.save to a BytesIO)"
+        )
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise TypeError(
+            f"{what} on rank {rank()}: data must be a contiguous buffer; got a non-contiguous "
+            f"memoryview (a strided slice?). Pass bytes(data), which copies it"
+        )
+    return view.cast("B")
 
 
 def _members(group: Any) -> list[int]:
@@ -100,64 +126,97 @@ def _members(group: Any) -> list[int]:
 
 
 def _gather(
-    what: str,
-    data: memoryview,
+    call: Call,
+    data: memoryview | bytes,
     error: BaseException | None,
     dst: int,
     group: Any,
     chunk_bytes: int,
 ) -> list[bytearray] | None:
-    members = _single_or_members(what, group)
+    solo = single_process(call.text, group)
+    members = _members(group)
+    try:
+        _check_dst(call.text, dst, members)
+    except ValueError as exc:
+        error = error or exc
+    if solo:
+        if error is not None:
+            raise error
+        return [bytearray(data)]
+    with _points.point("gather", call.text):  # the point as the harness knows it
+        mine = Entry(
+            "error" if error else "ok",
+            length=len(data),
+            root=dst if isinstance(dst, int) else -1,
+            chunk=chunk_bytes if isinstance(chunk_bytes, int) else 0,
+            error=f"{type(error).__name__}: {error}" if error else "",
+        )
+        headers = exchange(call, mine, group)
+        raise_for_failures(headers, error, failed_as="could not contribute:")
+        raise_if_disagreeing(headers, "dst", [e.root for e in headers.entries])
+        raise_if_disagreeing(headers, "chunk_bytes", [e.chunk for e in headers.entries])
+        lengths = [e.length for e in headers.entries]
+        return _gather_chunks(memoryview(data), lengths, dst, group, chunk_bytes)
+
+
+def _check_dst(what: str, dst: int, members: list[int]) -> None:
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in members:
         raise ValueError(
             f"{what}: dst must be the global rank of a member of the group ({members}); got {dst!r}"
         )
-    if len(members) == 1:
-        if error is not None:
-            raise error
-        return [bytearray(data)]
-    with _points.point("gather", what):
-        mine = Record(
-            "gather",
-            what,
-            "error" if error else "ok",
-            error=f"{type(error).__name__}: {error}" if error else "",
-            size=len(data),
-        )
-        headers = [
-            Record.from_bytes(b) for b in _transport.all_gather_bytes(mine.to_bytes(), group)
-        ]
-        _raise_for_headers(what, mine, error, headers, members)
-        return _gather_chunks(data, [h.size for h in headers], dst, group, chunk_bytes)
-
-
-def _single_or_members(what: str, group: Any) -> list[int]:
-    if not is_initialized() and launch_world_size() > 1:
-        raise RuntimeError(
-            f"{what}: this process is one of {launch_world_size()} launched ranks but no "
-            f"process group is set up; call it inside distributed_run()"
-        )
-    return _members(group)
-
-
-def _raise_for_headers(
-    what: str, mine: Record, error: BaseException | None, headers: list[Record], members: list[int]
-) -> None:
-    if any(h.call != mine.call for h in headers):
-        where = "; ".join(f"rank {m} in {h.label}" for m, h in zip(members, headers, strict=False))
-        raise RuntimeError(f"{what} on rank {rank()}: ranks out of step ({where})")
-    failed = [(m, h) for m, h in zip(members, headers, strict=False) if h.status == "error"]
-    if failed:
-        if error is not None:
-            raise error
-        member, header = failed[0]
-        raise RuntimeError(f"{what}: rank {member} could not contribute: {header.error}")
 
 
 def _gather_chunks(
     data: memoryview, lengths: list[int], dst: int, group: Any, chunk_bytes: int
 ) -> list[bytearray] | None:
+    """Move every rank's bytes to `dst`, `chunk_bytes` per rank at a time."""
     device = _transport.exchange_device(group)
+    if device.type == "cpu":
+        return _receive_in_place(data, lengths, dst, group, chunk_bytes)
+    return _gather_through_device(data, lengths, dst, group, chunk_bytes, device)
+
+
+def _receive_in_place(
+    data: memoryview, lengths: list[int], dst: int, group: Any, chunk_bytes: int
+) -> list[bytearray] | None:
+    """On the CPU, each rank's chunk lands straight in dst's result buffer, point to point:
+    a gather through the backend would stage every rank's chunk in one more buffer."""
+    members = _members(group)
+    me = rank()
+    if me != dst:
+        for offset in range(0, len(data), chunk_bytes):
+            piece = data[offset : offset + chunk_bytes]
+            dist.send(_transport.readonly_tensor(piece), dst=dst, group=group)
+        return None
+    out = [bytearray(n) for n in lengths]
+    for offset in range(0, max(lengths, default=0), chunk_bytes):
+        waits = [
+            dist.irecv(_window(target, offset, chunk_bytes), src=member, group=group)
+            for member, target in zip(members, out, strict=True)
+            if member != me and offset < len(target)
+        ]
+        if offset == 0:  # receives posted first: bytes arriving early would be staged
+            memoryview(out[members.index(me)])[:] = data  # bytearray[:] = would copy twice
+        for work in waits:
+            if work is not None:
+                work.wait()
+    return out
+
+
+def _window(target: bytearray, offset: int, chunk_bytes: int) -> torch.Tensor:
+    width = min(chunk_bytes, len(target) - offset)
+    return torch.frombuffer(target, dtype=torch.uint8, count=width, offset=offset)
+
+
+def _gather_through_device(
+    data: memoryview,
+    lengths: list[int],
+    dst: int,
+    group: Any,
+    chunk_bytes: int,
+    device: torch.device,
+) -> list[bytearray] | None:
+    """On an accelerator (NCCL), a gather per chunk through device buffers, copied out."""
     out = [bytearray(n) for n in lengths] if rank() == dst else None
     longest = max(lengths)
     for offset in range(0, longest, chunk_bytes):

@@ -7,23 +7,32 @@ from typing import Any
 
 import torch.distributed as dist
 
+from rankwise._collectives import Call, gather_values, single_process
 from rankwise._launch import is_initialized
 
 NOT_IN_USE = -1
+# What torch.distributed.new_group returns on a rank outside the new group (-100).
+NOT_A_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 
 class DistributedProcessGroup:
     """A process group, or the whole world (`None`), or a parallelism not in use (`-1`).
 
-    A group that is not in use reports rank and world size -1. Without a live default process
-    group (a single process), the world and any group report rank 0 of a world of 1.
+    A group that is not in use reports rank and world size -1. So does a group this rank is
+    not a member of: torch's `new_group` returns a sentinel on such ranks, which callers pass
+    straight in; it is not initialised here, and `get_dist_syncd_obj` gives this rank's value
+    alone to `op`. Without a live default process group (a single process), the world and
+    any group report rank 0 of a world of 1.
     """
 
     def __init__(self, group: Any = None) -> None:
-        if isinstance(group, bool) or (isinstance(group, int) and group != NOT_IN_USE):
+        if isinstance(group, bool) or (
+            isinstance(group, int) and group not in (NOT_IN_USE, NOT_A_MEMBER)
+        ):
             raise ValueError(
                 f"DistributedProcessGroup: group must be a ProcessGroup, None (the whole world) "
-                f"or -1 (not in use); got {group!r}"
+                f"or -1 (not in use), or what new_group returns on a rank outside the group "
+                f"({NOT_A_MEMBER}); got {group!r}"
             )
         if group is not None and not isinstance(group, int) and not _is_process_group(group):
             raise TypeError(
@@ -33,24 +42,29 @@ class DistributedProcessGroup:
         self.group = group
 
     def is_initialized(self) -> bool:
-        """Whether this group is in use and a process group is live in this process."""
-        return self.group != NOT_IN_USE and is_initialized()
+        """Whether this group is in use, has this rank, and a process group is live here."""
+        return self._usable() and is_initialized()
 
     def rank(self) -> int:
-        """This process's rank in the group: -1 if not in use, 0 in a single process."""
-        if self.group == NOT_IN_USE:
+        """This process's rank in the group: -1 if not in use or not a member, 0 alone."""
+        if not self._usable():
             return -1
         return dist.get_rank(group=self.group) if is_initialized() else 0
 
     def world_size(self) -> int:
-        """The group's size: -1 if not in use, 1 in a single process."""
-        if self.group == NOT_IN_USE:
+        """The group's size: -1 if not in use or not a member, 1 in a single process."""
+        if not self._usable():
             return -1
         return dist.get_world_size(group=self.group) if is_initialized() else 1
+
+    def _usable(self) -> bool:
+        return not isinstance(self.group, int) or self.group not in (NOT_IN_USE, NOT_A_MEMBER)
 
     def __repr__(self) -> str:
         if self.group == NOT_IN_USE:
             return "DistributedProcessGroup(not in use)"
+        if isinstance(self.group, int) and self.group == NOT_A_MEMBER:
+            return "DistributedProcessGroup(this rank is not a member)"
         name = "world" if self.group is None else getattr(self.group, "group_name", "group")
         return (
             f"DistributedProcessGroup({name}, rank={self.rank()}, world_size={self.world_size()}, "
@@ -68,17 +82,23 @@ class DistributedProcessGroup:
         `op` runs exactly once per group, always on a list, so the result has the same type
         whether or not the run is distributed: a group that is not initialised (not in use,
         or no live process group) has this process as its only member, giving `op([obj])`.
-        Every member of an initialised group must call this (it gathers with
-        `all_gather_object`, so values must pickle).
+        Every member of an initialised group must call this. Values travel as all_reduce's
+        do, never by pickle: they must load with weights_only (register your classes with
+        `torch.serialization.add_safe_globals`); a value that does not raises on its rank,
+        naming its type, and on every other member instead of leaving them waiting.
         """
         for group in groups if isinstance(groups, list) else [groups]:
-            if group.is_initialized():
-                values: list[Any] = [None] * group.world_size()
-                dist.all_gather_object(values, obj, group=group.group)
-            else:
-                values = [obj]
+            values = _members_values(obj, group)
             obj = op(values)
         return obj
+
+
+def _members_values(obj: Any, group: DistributedProcessGroup) -> list[Any]:
+    """Every member's `obj`, in group order; this process's alone if the group is not live."""
+    call = Call("get_dist_syncd_obj", "", "get_dist_syncd_obj")
+    if not group.is_initialized() or single_process(call.text, group.group):
+        return [obj]
+    return gather_values(call, lambda: obj, group.group)
 
 
 def _is_process_group(group: Any) -> bool:

@@ -84,14 +84,14 @@ def distributed_run(
         yield state
         _points.passed("distributed_run", "exit")
     except SystemExit:
-        _teardown(callers_group)
+        _teardown(callers_group, wait=True)
         raise
     except BaseException:
         if not callers_group and is_initialized() and size() > 1:
             abort()
-        _teardown(callers_group)
+        _teardown(callers_group, wait=False)
         raise
-    _teardown(callers_group)
+    _teardown(callers_group, wait=True)
 
 
 def _is_launch() -> bool:
@@ -124,12 +124,18 @@ def _prepare_launch(requested: torch.device, timeout: timedelta | None) -> torch
             f"{str(requested)!r} is refused. Leave device at 'cuda', or run without a launcher "
             f"for a single CPU process"
         )
+    local = launch_rank("LOCAL_RANK")
+    if requested.index is not None and requested.index != local:
+        raise ValueError(
+            f"distributed_run: device {str(requested)!r} is refused: this rank's GPU is "
+            f"cuda:{local} (LOCAL_RANK={local}), one GPU per rank. Pass 'cuda' (or "
+            f"'cuda:{local}') and the run binds it"
+        )
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"distributed_run: launched as one of {world} ranks, but CUDA is not available on "
             f"this machine (torch.cuda.is_available() is False); run on a machine with GPUs"
         )
-    local = launch_rank("LOCAL_RANK")
     count = torch.cuda.device_count()
     if local >= count:
         raise RuntimeError(
@@ -143,9 +149,33 @@ def _prepare_launch(requested: torch.device, timeout: timedelta | None) -> torch
     return cuda
 
 
-def _teardown(callers_group: bool) -> None:
-    if not callers_group and is_initialized():
+def _teardown(callers_group: bool, wait: bool) -> None:
+    """Destroy the group the run owns; on a normal exit, once every rank has got here.
+
+    Destroying does not wait on gloo, so without the barrier a rank would leave while its
+    peers still work. The barrier is bounded by the group's own timeout (the run's, for the
+    launch's group).
+    """
+    if callers_group or not is_initialized():
+        return
+    if wait and size() > 1:
+        _wait_for_every_rank()
+    dist.destroy_process_group()
+
+
+def _wait_for_every_rank() -> None:
+    """A barrier whose failure says what it means: a peer left the run without finishing."""
+    where = f"rank {rank()} of {size()}"
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
         dist.destroy_process_group()
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RuntimeError(
+            f"distributed_run: {where} finished its run, but waiting for every rank at the "
+            f"run's end failed ({reason}): a peer left without finishing (it aborted, "
+            f"crashed or exited alone); see that rank's own error"
+        ) from exc
 
 
 def abort() -> NoReturn:

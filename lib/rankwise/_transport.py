@@ -13,6 +13,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# all_gather_into_tensor's new name (torch 2.13 deprecates the old one); older builds, such
+# as a GPU machine's own CUDA torch, have only the old.
+_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """Every rank's equal-sized `tensor`, concatenated into `output`, in group order."""
+    _all_gather_single(output, tensor, group=group)
+
+
+def all_gather_fixed(tensor: torch.Tensor, root: int, group: Any = None) -> torch.Tensor:
+    """Every rank's equal-sized `tensor`, concatenated in group order, on every rank.
+
+    On gloo as a gather to global rank `root` then a broadcast from it: two hops, where gloo's
+    all_gather takes one per rank (about 3x the time at 4 ranks). Elsewhere one all_gather.
+    """
+    count = dist.get_world_size(group)
+    out = torch.empty(count * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    if tensor.device.type != "cpu":
+        all_gather_single(out, tensor, group)
+        return out
+    slots = list(out.chunk(count)) if dist.get_rank() == root else None
+    dist.gather(tensor, slots, dst=root, group=group)
+    dist.broadcast(out, root, group=group)
+    return out
+
 
 def exchange_device(group: Any = None) -> torch.device:
     """Where the group's collectives need their tensors."""
@@ -31,6 +57,15 @@ def send_buffer(piece: bytes | memoryview, width: int, device: torch.device) -> 
     if len(piece) < width:
         host[len(piece) :].zero_()
     return host if device.type == "cpu" else host.to(device)
+
+
+def readonly_tensor(piece: memoryview) -> torch.Tensor:
+    """A uint8 tensor over `piece`'s memory, no copy; only ever read (sent), never written."""
+    if not len(piece):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(piece, dtype=torch.uint8)
 
 
 def receive_buffer(
@@ -88,3 +123,29 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
     if size:
         dist.broadcast(buffer, src, group=group)
     return data if data is not None else to_bytes(buffer, size)
+
+
+def all_gather_known(data: bytes, sizes: list[int], group: Any = None) -> list[bytes]:
+    """Every rank's `data`, whose lengths `sizes` every rank already knows: one collective."""
+    device = exchange_device(group)
+    longest = max(sizes)
+    if longest == 0:
+        return [b""] * len(sizes)
+    mine = send_buffer(memoryview(data), longest, device)
+    gathered = torch.empty(longest * len(sizes), dtype=torch.uint8, device=device)
+    all_gather_single(gathered, mine, group)
+    host = gathered.cpu()
+    return [to_bytes(host[i * longest :], n) for i, n in enumerate(sizes)]
+
+
+def broadcast_known(data: bytes | None, size: int, src: int, group: Any = None) -> bytes:
+    """`data` (`size` bytes, a length every rank knows) from global rank `src`: one collective."""
+    if size == 0:
+        return b""
+    device = exchange_device(group)
+    if data is not None:
+        dist.broadcast(send_buffer(memoryview(data), size, device), src, group=group)
+        return data
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src, group=group)
+    return to_bytes(buffer, size)

@@ -8,8 +8,6 @@ waits for it. Loading never runs arbitrary code: weights_only refuses what it do
 from __future__ import annotations
 
 import io
-import json
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,47 +38,30 @@ def encode(value: Any, what: str) -> bytes:
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} does not load back with "
-            f"torch.load(weights_only=True) ({type(exc).__name__}: {exc}); {_REGISTER_HINT}"
-        ) from exc
+            f"torch.load(weights_only=True) ({refusal(exc)}); {_REGISTER_HINT}"
+        ) from None  # torch's own text advises weights_only=False: never pass that on
     return data
+
+
+def refusal(exc: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused, without torch's advice to turn it off.
+
+    torch's message suggests loading with weights_only=False, which would run whatever the
+    payload holds; keep only the sentences that say what was refused.
+    """
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        kept = [text.split(marker, 1)[1].split("\n", 1)[0]]
+    else:
+        kept = [
+            line
+            for line in text.splitlines()
+            if line.strip() and "weights_only" not in line.lower().replace(" ", "_")
+        ]
+    return f"{type(exc).__name__}: {' '.join(k.strip() for k in kept) or 'refused'}"
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Load bytes made by `encode`: weights_only, every tensor on the CPU."""
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-
-
-@dataclass(frozen=True)
-class Record:
-    """What one rank contributes to a collective: its status, its label, and its payload."""
-
-    kind: str  # "all_reduce", "broadcast_from", "gather_bytes", ...
-    label: str
-    status: str  # "ok", "error" or "exit"
-    error: str = ""  # "ValueError: bad batch" when status is "error"
-    code: int = 0  # the exit code when status is "exit"
-    size: int = 0  # the length of the data that follows, for gathers
-    payload: bytes = b""
-
-    @property
-    def call(self) -> str:
-        return f"{self.kind}({self.label!r})"
-
-    def to_bytes(self) -> bytes:
-        header = json.dumps(
-            {
-                "kind": self.kind,
-                "label": self.label,
-                "status": self.status,
-                "error": self.error,
-                "code": self.code,
-                "size": self.size,
-            }
-        ).encode()
-        return len(header).to_bytes(4, "little") + header + self.payload
-
-    @staticmethod
-    def from_bytes(data: bytes) -> Record:
-        size = int.from_bytes(data[:4], "little")
-        header = json.loads(data[4 : 4 + size])
-        return Record(payload=bytes(data[4 + size :]), **header)

@@ -260,3 +260,108 @@ def test_a_hang_names_the_labelled_collective(run_on_ranks: Any) -> None:
     assert out[0].where == "all_reduce('batch_size')"
     assert out[0].describe() == "hung in all_reduce('batch_size')"
     assert out[1].where == "" and "_rank1_never_joins" in out[1].stack
+
+
+# ---- ranks in different collectives, and payloads weights_only refuses ---------------------
+
+
+def _mixed_collectives(other_label: str) -> Any:
+    """Ranks 0 and 1 in all_reduce('x'), ranks 2 and 3 in broadcast_from(other_label)."""
+    if dist.get_rank() < 2:
+        return rw.all_reduce("x", lambda: 1, sum)
+    return rw.broadcast_from(other_label, lambda: 1)
+
+
+@pytest.mark.parametrize("other_label", ["x", "y"])
+def test_ranks_in_different_collectives_raise_out_of_step_on_every_rank(
+    run_on_ranks: Any, other_label: str
+) -> None:
+    out = run_on_ranks(_mixed_collectives, other_label, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    for o in out:
+        assert o.exc_name == "RuntimeError" and "ranks out of step" in o.message
+        assert "rank 1 in all_reduce('x')" in o.message
+        assert f"rank 2 in broadcast_from({other_label!r})" in o.message
+
+
+class _Payload:
+    """Runs a command when unpickled: what weights_only must refuse."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def _send_a_malicious_value(which: str, marker: str) -> Any:
+    """Rank 1, tampered, skips the wire format's own check and sends a code-running payload."""
+    import io
+
+    from rankwise import _wire
+
+    real_encode = _wire.encode
+    if dist.get_rank() == 1:
+        buffer = io.BytesIO()
+        torch.save({"evil": _Payload(marker)}, buffer)
+        _wire.encode = lambda value, what: buffer.getvalue()  # type: ignore[assignment]
+    try:
+        if which == "all_reduce":
+            return rw.all_reduce("step", lambda: 1, lambda xs: len(xs))
+        return rw.broadcast_from("setting", lambda: 1, src=1)
+    finally:
+        _wire.encode = real_encode  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "broadcast_from"])
+def test_a_payload_weights_only_refuses_names_the_call_and_sender(
+    run_on_ranks: Any, which: str, tmp_path: Any
+) -> None:
+    marker = tmp_path / "payload-ran"
+    out = run_on_ranks(_send_a_malicious_value, which, str(marker), world_size=2, timeout=BOUND_S)
+    call = "all_reduce('step'): rank 1" if which == "all_reduce" else "broadcast_from('setting')"
+    assert out.endings == [E, E]
+    for o in out:
+        assert o.exc_name == "RuntimeError", o.message
+        assert o.message.startswith(call) and "rank 1" in o.message
+        assert "does not load with torch.load(weights_only=True)" in o.message
+        assert "weights_only=False" not in o.message and "False" not in o.message
+    assert not marker.exists()
+
+
+@pytest.mark.ranks(4)
+def test_values_too_large_for_the_header_travel_after_it(rank: int) -> None:
+    # Rank 2's value does not fit in its header; the others' do: all take the second round.
+    sizes = rw.all_reduce("sizes", lambda: torch.ones(5000 if rank == 2 else 1), lambda xs: xs)
+    assert [int(t.numel()) for t in sizes] == [1, 1, 5000, 1]
+    big = rw.broadcast_from("big", lambda: torch.arange(5000.0), src=3)
+    assert torch.equal(big, torch.arange(5000.0))
+
+
+def _broadcast_from_a_different_src() -> Any:
+    return rw.broadcast_from("setting", lambda: 1, src=1 if dist.get_rank() == 2 else 0)
+
+
+def test_ranks_naming_different_srcs_raise_on_every_rank(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_broadcast_from_a_different_src, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    for o in out:
+        assert o.exc_name == "ValueError"
+        assert "ranks disagree on src (rank 0: 0, rank 1: 0, rank 2: 1, rank 3: 0)" in o.message
+
+
+def _raise_a_long_error() -> Any:
+    def fn() -> int:
+        if dist.get_rank() == 1:
+            raise ValueError("x" * 10_000)
+        return 1
+
+    return rw.all_reduce("long", fn, sum)
+
+
+def test_a_long_error_is_shortened_for_the_others(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_raise_a_long_error, world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, E]
+    assert out[1].message == "x" * 10_000  # its own error, whole
+    assert out[0].message.startswith("all_reduce('long'): rank 1 raised ValueError: xxx")
+    assert out[0].message.endswith("...") and len(out[0].message) < 4096

@@ -193,3 +193,38 @@ def test_cpu_offload_on_cuda_keeps_off_dtype_params_on_the_gpu(rank: int, device
     with torch.no_grad():
         got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+# ---- the upstream caller's flow: build on meta, wrap, materialise, load ------------------------
+
+
+@pytest.mark.ranks(2, 4, timeout=120)
+def test_a_meta_model_of_mixed_dtypes_is_wrapped_then_loaded(rank: int) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reference = build("moe")
+    with torch.device("meta"):
+        model = build("moe")
+    rw.fsdp2_wrap(model)  # the fp32 router stays out of the shards, and on meta for now
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    set_model_state_dict(
+        model, reference.state_dict(), options=StateDictOptions(full_state_dict=True)
+    )
+    for name, buffer in reference.named_buffers():  # non-persistent buffers (rotary tables)
+        model.get_buffer(name).copy_(buffer)
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=2e-2, atol=2e-2
+        )
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_the_root_is_sharded_again_after_a_forward(rank: int) -> None:
+    model = build("llama")
+    rw.fsdp2_wrap(model)
+    with torch.no_grad():
+        model(input_ids=tokens())
+    root = [model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight]
+    assert all(isinstance(p, DTensor) for p in root)  # sharded, not left whole after forward

@@ -143,14 +143,18 @@ class _Payload:
 
 def _send_a_malicious_state(marker: str) -> Any:
     rank = dist.get_rank()
+    real_encode = _gather._wire.encode
     if rank == 1:  # a tampered sender skips the wire format's own check
         import io
 
         buffer = io.BytesIO()
         torch.save({"evil": _Payload(marker)}, buffer)
         _gather._wire.encode = lambda value, what: buffer.getvalue()
-    states = rw.gather_state_dicts({"ok": torch.ones(1)}, dst=0)
-    return [sorted(s) for s in states]
+    try:
+        states = rw.gather_state_dicts({"ok": torch.ones(1)}, dst=0)
+        return [sorted(s) for s in states]
+    finally:  # ranks stay warm for later tests: leave the module as it was
+        _gather._wire.encode = real_encode
 
 
 def test_a_malicious_payload_is_refused_and_never_run(run_on_ranks: Any, tmp_path: Path) -> None:
@@ -159,6 +163,7 @@ def test_a_malicious_payload_is_refused_and_never_run(run_on_ranks: Any, tmp_pat
     assert out.endings == [E, Ending.RETURNED]
     assert "rank 1's state does not load with torch.load(weights_only=True)" in out[0].message
     assert "nothing in it was run" in out[0].message
+    assert "weights_only=False" not in out[0].message  # never advise running it
     assert not marker.exists()
 
 
@@ -172,3 +177,102 @@ def test_a_state_that_is_not_a_dict_raises_everywhere(run_on_ranks: Any) -> None
     assert out.endings == [E, E]
     assert out[1].exc_name == "TypeError" and "state must be a dict; got list" in out[1].message
     assert "rank 1 could not contribute: TypeError" in out[0].message
+
+
+# ---- arguments checked together, on every rank ------------------------------------------------
+
+
+def _one_rank_passes(bad: str) -> Any:
+    """Rank 1 alone passes a bad argument; the others pass good ones."""
+    rank = dist.get_rank()
+    data: Any = b"abcdefgh" * (rank + 1)
+    dst, chunk = 0, 8
+    if rank == 1:
+        if bad == "chunk":
+            chunk = 0
+        elif bad == "noncontiguous":
+            data = memoryview(b"abcdefgh")[::2]
+        elif bad == "dst":
+            dst = 9
+    return rw.gather_bytes(data, dst=dst, chunk_bytes=chunk)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        ("chunk", "ValueError", "chunk_bytes must be a positive int; got 0"),
+        ("noncontiguous", "TypeError", "data must be a contiguous"),
+        ("dst", "ValueError", "dst must be the global rank of a member"),
+    ],
+)
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(
+    run_on_ranks: Any, bad: str, error: str, message: str
+) -> None:
+    out = run_on_ranks(_one_rank_passes, bad, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E]
+    assert out[1].exc_name == error and message in out[1].message
+    for r in (0, 2, 3):
+        assert out[r].exc_name == "RuntimeError"
+        assert out[r].message.startswith(
+            f"gather_bytes(dst=0): rank 1 could not contribute: {error}"
+        )
+
+
+def _disagree_on(what: str) -> Any:
+    rank = dist.get_rank()
+    dst, chunk = 0, 8
+    if what == "chunk_count" and rank == 1:
+        chunk = 3  # 24 bytes: 8 chunks here, 3 elsewhere
+    if what == "chunk_width" and rank == 1:
+        chunk = 30  # one chunk everywhere, of another width
+    if what == "dst" and rank == 1:
+        dst = 1
+    return rw.gather_bytes(b"x" * 24, dst=dst, chunk_bytes=chunk)
+
+
+@pytest.mark.parametrize(
+    ("what", "names"),
+    [
+        ("chunk_count", "chunk_bytes (rank 0: 8, rank 1: 3, rank 2: 8, rank 3: 8)"),
+        ("chunk_width", "chunk_bytes (rank 0: 8, rank 1: 30, rank 2: 8, rank 3: 8)"),
+        ("dst", "dst (rank 0: 0, rank 1: 1, rank 2: 0, rank 3: 0)"),
+    ],
+)
+def test_ranks_disagreeing_on_chunk_bytes_or_dst_raise_on_every_rank(
+    run_on_ranks: Any, what: str, names: str
+) -> None:
+    out = run_on_ranks(_disagree_on, what, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E], [o.describe() for o in out]
+    for o in out:
+        assert o.exc_name == "ValueError" and f"ranks disagree on {names}" in o.message
+
+
+def _gather_without_a_group() -> Any:
+    return rw.gather_bytes(b"x", dst=0)
+
+
+def test_a_launched_rank_without_a_group_raises_worded_as_the_collectives(
+    run_on_ranks: Any,
+) -> None:
+    out = run_on_ranks(_gather_without_a_group, world_size=2, launch=True, timeout=BOUND_S)
+    assert out.endings == [E, E]
+    assert out[0].message == (
+        "gather_bytes(dst=0): this process is one of 2 launched ranks (WORLD_SIZE=2) but no "
+        "process group is set up; call it inside distributed_run(), or after "
+        "torch.distributed.init_process_group()"
+    )
+
+
+def _gather_or_all_reduce() -> Any:
+    if dist.get_rank() == 0:
+        return rw.gather_bytes(b"x", dst=0)
+    return rw.all_reduce("x", lambda: 1, sum)
+
+
+def test_a_gather_out_of_step_with_a_collective_raises_everywhere(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_gather_or_all_reduce, world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, E]
+    for o in out:
+        assert "ranks out of step (rank 0 in gather_bytes(dst=0); rank 1 in all_reduce('x'))" in (
+            o.message
+        )

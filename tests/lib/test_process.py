@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import rankwise as rw
 import torch.distributed as dist
@@ -116,3 +118,59 @@ def test_parallel_state_holds_live_groups(rank: int) -> None:
     state = rw.ParallelState(data_parallel_group=None, tensor_parallel_group=tp)
     assert state.tensor_parallel_group.world_size() == 2
     assert state.expert_model_parallel_group.world_size() == -1
+
+
+@pytest.mark.ranks(2)
+def test_a_group_this_rank_is_not_in_reads_as_not_a_member(rank: int) -> None:
+    only_zero = rw.DistributedProcessGroup(dist.new_group([0]))  # torch's sentinel on rank 1
+    expected = (True, 0, 1) if rank == 0 else (False, -1, -1)
+    assert (only_zero.is_initialized(), only_zero.rank(), only_zero.world_size()) == expected
+    # A non-member combines its own value alone, as for a group not in use.
+    assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, only_zero, lambda xs: xs) == [rank]
+    assert "not a member" in repr(only_zero) or rank == 0
+
+
+class _Payload:
+    """Runs a command when unpickled: a value pickle would run on every receiving rank."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def _sync_a_crafted_value(marker: str) -> object:
+    value: object = _Payload(marker) if dist.get_rank() == 1 else 1
+    return rw.DistributedProcessGroup.get_dist_syncd_obj(value, rw.DistributedProcessGroup(), list)
+
+
+def test_a_crafted_synced_value_is_refused_and_never_run(run_on_ranks: Any, tmp_path: Any) -> None:
+    from harness import Ending
+
+    marker = tmp_path / "payload-ran"
+    out = run_on_ranks(_sync_a_crafted_value, str(marker), world_size=2, timeout=20)
+    assert out.endings == [Ending.RAISED, Ending.RAISED]
+    assert out[1].exc_name == "WireError" and "type _Payload" in out[1].message
+    assert not marker.exists()
+
+
+class Opaque:
+    """Not registered with add_safe_globals: cannot load with weights_only."""
+
+
+def _sync_opaque_on_rank_1() -> object:
+    value: object = Opaque() if dist.get_rank() == 1 else 1
+    return rw.DistributedProcessGroup.get_dist_syncd_obj(value, rw.DistributedProcessGroup(), list)
+
+
+def test_a_synced_value_that_does_not_round_trip_raises_on_every_rank(
+    run_on_ranks: Any,
+) -> None:
+    from harness import Ending
+
+    out = run_on_ranks(_sync_opaque_on_rank_1, world_size=2, timeout=20)
+    assert out.endings == [Ending.RAISED, Ending.RAISED]
+    assert out[1].exc_name == "WireError" and "type Opaque" in out[1].message
+    assert "torch.serialization.add_safe_globals" in out[1].message
+    assert out[0].exc_name == "RuntimeError" and "rank 1 raised WireError" in out[0].message

@@ -159,7 +159,9 @@ def test_a_rank_whose_body_raised_in_a_run_owned_group_aborts(run_on_ranks: Any)
     assert out[1].ending is Ending.HARD_EXIT and out[1].exit_code == ABORT_EXIT_CODE
     assert "rankwise: rank 1 of 4 aborting the run" in out[1].output
     assert "ValueError: rank 1 cannot go on" in out[1].output  # the traceback, printed first
-    assert [out[r].value for r in (0, 2, 3)] == [(0, False)] * 3
+    for r in (0, 2, 3):  # they wait for every rank at the end, and learn rank 1 left
+        assert out[r].ending is Ending.RAISED
+        assert f"rank {r} of 4 finished its run, but waiting for every rank" in out[r].message
 
 
 def test_a_system_exit_tears_down_normally(run_on_ranks: Any) -> None:
@@ -212,3 +214,47 @@ def test_a_launch_binds_cuda_and_sets_nccl_up(run_on_ranks: Any) -> None:
     assert out.values == [
         (r, count, f"cuda:{r}", f"nccl:{float(count)}", False) for r in range(count)
     ]
+
+
+# ---- a normal exit waits for every rank; a launch's CUDA index is this rank's ----------------
+
+
+def _leave_while_rank0_works(shared: str) -> bool:
+    """Rank 0's body waits (bounded) for rank 1 to have left its run, then finishes.
+
+    Returns, on rank 1, whether rank 0's body had finished when rank 1 left its run.
+    """
+    import time
+
+    world, me = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    del os.environ["WORLD_SIZE"]  # not a launch now: the body owns the group it makes
+    left, done = Path(shared, "rank1-left"), Path(shared, "rank0-done")
+    with rw.distributed_run(device="cpu"):
+        dist.init_process_group("gloo", init_method="env://", rank=me, world_size=world)
+        if me == 0:
+            deadline = time.monotonic() + 1.0  # a rank 1 that waits never gets there
+            while not left.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            done.touch()
+    finished = done.exists()
+    if me == 1:
+        left.touch()
+    return finished
+
+
+def test_a_normal_exit_waits_for_every_rank_before_leaving(
+    run_on_ranks: Any, tmp_path: Path
+) -> None:
+    out = run_on_ranks(
+        _leave_while_rank0_works, str(tmp_path), world_size=2, launch=True, timeout=30
+    )
+    assert out.values == [True, True]  # rank 1 left only after rank 0's body was done
+
+
+def test_a_launch_refuses_a_cuda_device_that_is_not_this_ranks(launch_env: Any) -> None:
+    launch_env(world_size=2, rank=0)
+    with (
+        pytest.raises(ValueError, match=r"'cuda:1' is refused.*LOCAL_RANK=0.*cuda:0"),
+        rw.distributed_run(device="cuda:1"),
+    ):
+        pass

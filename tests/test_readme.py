@@ -1,0 +1,71 @@
+"""Every Python snippet in README.md runs as written.
+
+Snippets that define tests run under pytest with the harness, all in one run; the others run
+each in a fresh single process (no launch), in a scratch directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+_LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def _snippets() -> list[str]:
+    return [textwrap.dedent(body) for _, body in _BLOCK.findall(README.read_text())]
+
+
+def _is_test_file(code: str) -> bool:
+    return re.search(r"^def test_", code, re.MULTILINE) is not None
+
+
+SCRIPTS = [code for code in _snippets() if not _is_test_file(code)]
+TEST_FILES = [code for code in _snippets() if _is_test_file(code)]
+
+
+def _env() -> dict[str, str]:
+    """This environment (so the ranks import this checkout), minus any launch variables."""
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+
+
+def test_the_readme_has_both_kinds_of_snippet() -> None:
+    assert len(SCRIPTS) >= 4 and len(TEST_FILES) >= 4
+
+
+@pytest.mark.parametrize("code", SCRIPTS, ids=[f"script{i}" for i in range(len(SCRIPTS))])
+def test_a_readme_script_runs_as_written(code: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, f"{code}\n--- stderr ---\n{result.stderr[-3000:]}"
+
+
+def test_the_readme_tests_pass_as_written(tmp_path: Path) -> None:
+    for i, code in enumerate(TEST_FILES):
+        (tmp_path / f"test_readme_{i}.py").write_text(code)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "harness", "-p", "no:cacheprovider", "-q"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert " failed" not in result.stdout and " error" not in result.stdout
