@@ -3,6 +3,8 @@
 Each helper is a collective: every rank of the group calls it at the same point. Every rank
 learns every rank's verdict, and all of them raise the same AssertionError naming the
 ranks that differ, instead of one rank raising while its peers wait in the next collective.
+The error's ``origin_rank`` is the first rank that differs: the harness reports that rank as
+the root cause and the others as collateral.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ def assert_on_all_ranks(condition: object, message: str = "", group: Any = None)
     if failing:
         details = "; ".join(f"rank {r}: {verdicts[r][1]}" for r in failing if verdicts[r][1])
         suffix = f" ({details})" if details else ""
-        raise AssertionError(f"condition false on rank(s) {failing} of {len(verdicts)}{suffix}")
+        error = AssertionError(f"condition false on rank(s) {failing} of {len(verdicts)}{suffix}")
+        error.origin_rank = failing[0]  # type: ignore[attr-defined]  # the root cause
+        raise error
 
 
 def assert_close_across_ranks(
@@ -33,15 +37,16 @@ def assert_close_across_ranks(
     values: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, tensor.detach().cpu(), group=group)
     reference = values[0]
-    differing = []
+    differing: dict[int, str] = {}
     for rank, value in enumerate(values[1:], start=1):
         try:
             torch.testing.assert_close(value, reference, rtol=rtol, atol=atol)
         except AssertionError as exc:
-            first = str(exc).strip().splitlines()[0]
-            differing.append(f"rank {rank}: {first}")
+            differing[rank] = str(exc).strip().splitlines()[0]
     if differing:
-        raise AssertionError(
+        error = AssertionError(
             f"tensor differs from rank 0's on {len(differing)} of {len(values)} ranks: "
-            + "; ".join(differing)
+            + "; ".join(f"rank {rank}: {first}" for rank, first in differing.items())
         )
+        error.origin_rank = min(differing)  # type: ignore[attr-defined]  # the root cause
+        raise error

@@ -74,6 +74,7 @@ class RankOutcome:
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
+    origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
@@ -114,6 +115,8 @@ class RankOutcome:
         """Whether this failure reads as caused by a peer going away (or not arriving)."""
         if self.ending is Ending.HUNG:
             return self.after_failure or bool(self.in_collective)
+        if self.origin_rank is not None:  # rankwise (or an assertion helper) said whose it is
+            return self.origin_rank != self.rank
         if self.ending is not Ending.RAISED:
             return False
         return self.exc_name in _PEER_ERROR_TYPES or bool(_PEER_ERROR_TEXT.search(self.message))

@@ -321,10 +321,14 @@ def _ended_by(task: RunTask, exc: BaseException) -> RankOutcome:
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
         outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
         outcome.traceback = _user_traceback(exc)  # where it was called
-        return outcome
-    if type(exc).__name__ == "Skipped":
+    elif type(exc).__name__ == "Skipped":
         return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
-    return _raised(task, exc)
+    else:
+        outcome = _raised(task, exc)
+    origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
+    if isinstance(origin, int) and not isinstance(origin, bool):
+        outcome.origin_rank = origin
+    return outcome
 
 
 def _refuse_awaitable(value: Any) -> None:

@@ -12,6 +12,7 @@ carry the words (each rank's call and error) for the message.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -77,9 +78,9 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
         _check_src(call, src, 1)
         return fn()
     _check_src(call, src, size())
-    with _points.point(call.kind, call.label):
+    with _points.point(call.kind, call.label, hold_errors=True) as held:
         if rank() == src:
-            entry, error, payload = run_fn(call, fn)
+            entry, error, payload = run_fn(call, fn, held)
         else:
             entry, error, payload = Entry(), None, b""
         headers = exchange(call, replace(entry, root=src), None, payload)
@@ -89,6 +90,7 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
             sent = payload if rank() == src else None
             data = _transport.broadcast_known(sent, headers.of(src).length, src)
     _raise_for_receiver(headers, src)
+    held.raise_if_any()  # a fault injected on a receiver: after the value moved, alone
     return load(data, f"{call.text}: src rank {src}'s value")  # type: ignore[no-any-return]
 
 
@@ -235,6 +237,19 @@ def raise_if_disagreeing(headers: Headers, name: str, values: list[int]) -> None
         )
 
 
+def _from(origin: int, error: BaseException) -> BaseException:
+    """`error`, marked with the rank whose failure it is.
+
+    Every error a labelled collective raises because a rank failed carries ``origin_rank``
+    (a global rank): on the failing rank its own error, marked with its own number; on the
+    others the RuntimeError (or SystemExit) naming it. A test runner can then name the
+    origin even when another rank's error was reported first.
+    """
+    with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attributes
+        error.origin_rank = origin  # type: ignore[attr-defined]
+    return error
+
+
 def raise_for_failures(
     headers: Headers, error: BaseException | None, failed_as: str = "raised"
 ) -> None:
@@ -246,21 +261,25 @@ def raise_for_failures(
         (m, e) for m, e in zip(headers.members, headers.entries, strict=True) if e.status == "error"
     ]
     if failed:
-        if error is not None and not isinstance(error, SystemExit):
-            raise error
         first, entry = failed[0]
-        raise RuntimeError(f"{headers.call.text}: rank {first} {failed_as} {entry.error}")
-    exits = [e for e in headers.entries if e.status == "exit"]
+        if error is not None and not isinstance(error, SystemExit):
+            raise _from(rank(), error)  # this rank failed itself: its own error
+        text = f"{headers.call.text}: rank {first} {failed_as} {entry.error}"
+        raise _from(first, RuntimeError(text))
+    exits = [
+        (m, e) for m, e in zip(headers.members, headers.entries, strict=True) if e.status == "exit"
+    ]
     if exits:
         if error is not None:
-            raise error
-        raise SystemExit(exits[0].code)
+            raise _from(rank(), error)
+        first, entry = exits[0]
+        raise _from(first, SystemExit(entry.code))
 
 
 def gather_values(call: Call, fn: Callable[[], Any], group: Any) -> list[Any]:
     """Run `fn` here, then every member's value, loaded, in group order (all_reduce's core)."""
-    with _points.point(call.kind, call.label):
-        entry, error, payload = run_fn(call, fn)
+    with _points.point(call.kind, call.label, hold_errors=True) as held:
+        entry, error, payload = run_fn(call, fn, held)
         headers = exchange(call, entry, group, payload)
         raise_for_failures(headers, error)
         blobs = [b for b in headers.inline if b is not None]
@@ -273,9 +292,16 @@ def gather_values(call: Call, fn: Callable[[], Any], group: Any) -> list[Any]:
     ]
 
 
-def run_fn(call: Call, fn: Callable[[], object]) -> tuple[Entry, BaseException | None, bytes]:
-    """Run `fn` and encode what happened; whatever it was, the caller still joins."""
+def run_fn(
+    call: Call, fn: Callable[[], object], held: _points.Held | None = None
+) -> tuple[Entry, BaseException | None, bytes]:
+    """Run `fn` and encode what happened; whatever it was, the caller still joins.
+
+    An error an observer raised entering the point (`held`) counts as `fn`'s own.
+    """
     try:
+        if held is not None:
+            held.raise_if_any()
         payload = _wire.encode(fn(), f"{call.text} on rank {rank()}")
     except SystemExit as exc:
         return Entry("exit", code=_exit_code(exc)), exc, b""
@@ -341,11 +367,12 @@ def _raise_for_source(headers: Headers, error: BaseException | None, src: int) -
     raise_if_disagreeing(headers, "src", [e.root for e in headers.entries])
     source = headers.of(src)
     if source.status == "exit":
-        raise error if error is not None else SystemExit(source.code)
+        raise _from(src, error if error is not None else SystemExit(source.code))
     if source.status == "error":
         if error is not None:
-            raise error
-        raise RuntimeError(f"{headers.call.text}: src rank {src} raised {source.error}")
+            raise _from(src, error)
+        text = f"{headers.call.text}: src rank {src} raised {source.error}"
+        raise _from(src, RuntimeError(text))
 
 
 def _raise_for_receiver(headers: Headers, src: int) -> None:

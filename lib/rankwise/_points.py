@@ -30,19 +30,53 @@ def remove_observer(observer: Observer) -> None:
         _observers.remove(observer)
 
 
+class Held:
+    """An error an observer raised on entering a point, held for the collective to raise.
+
+    A labelled collective raises it where it runs the rank's `fn`, so an injected fault
+    travels to the other ranks as that rank's failure instead of leaving them waiting.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
 @contextlib.contextmanager
-def point(kind: str, label: str) -> Iterator[None]:
-    """Mark the block as the point `kind(label)`: observers see it entered and left."""
+def point(kind: str, label: str, *, hold_errors: bool = False) -> Iterator[Held]:
+    """Mark the block as the point `kind(label)`: observers see it entered and left.
+
+    An observer's error on entry is raised at once, or with `hold_errors` kept in the
+    yielded :class:`Held` for the block to raise. Observers that saw the entry always see
+    the exit.
+    """
+    held = Held()
     if not _observers:
-        yield
+        yield held
         return
-    for observer in tuple(_observers):
-        observer("enter", kind, label)
+    entered: list[Observer] = []
     try:
-        yield
-    finally:
         for observer in tuple(_observers):
-            observer("exit", kind, label)
+            entered.append(observer)
+            observer("enter", kind, label)
+    except BaseException as exc:
+        if not hold_errors:
+            _leave(entered, kind, label)
+            raise
+        held.error = exc
+    try:
+        yield held
+    finally:
+        _leave(entered, kind, label)
+
+
+def _leave(entered: list[Observer], kind: str, label: str) -> None:
+    for observer in entered:
+        observer("exit", kind, label)
 
 
 def passed(kind: str, label: str) -> None:

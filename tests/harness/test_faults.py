@@ -24,6 +24,8 @@ BODIES = {
     ),
 }
 
+LABELLED = ("all_reduce", "broadcast_from", "nth")
+
 # fault fields -> (rank 1's expected end, the others' expected end)
 KINDS = {
     "raise": ("kind='raise', exc=KeyError('injected')", "raises(KeyError, match='injected')"),
@@ -57,7 +59,14 @@ def test_every_fault_kind_at_this_kind_of_point(inner: pytest.Pytester, point: s
     tests = []
     for kind, (fields, does) in KINDS.items():
         # A peer of a rank that hangs waits with it; a peer of one that fails fails after it.
+        # At a labelled collective a raise or exit is that rank's fn failing: its peers raise
+        # rankwise's RuntimeError naming it, or exit with its code; a receiver of
+        # broadcast_from fails alone, after the value has moved.
         others = "hangs()" if kind == "hang" else "raises(RuntimeError)"
+        if point in LABELLED and kind == "exit":
+            others = "exits(3)"
+        if point == "broadcast_from" and kind in ("raise", "exit"):
+            others = "returns()"
         tests.append(
             TEST.format(
                 at=at, nth=nth, fields=fields, does=does, others=others, kind=kind, body=body
@@ -137,7 +146,7 @@ def test_outside(run_on_ranks):
     out = run_on_ranks(work, world_size=3, faults=[Fault(rank="all", kind="delay", seconds=0)])
     assert out.values == [3, 3, 3]
     out = run_on_ranks(work, world_size=3, faults=[Fault(rank=2, kind="exit", code=9, at="step")])
-    out.expect(rank=2, does=exits(9), others=raises(RuntimeError))
+    out.expect(rank=2, does=exits(9), others=exits(9))  # as if its fn had called sys.exit
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)

@@ -60,6 +60,79 @@ def test_a_fault_whose_point_is_never_reached_fails_the_test(inner: pytest.Pytes
 # ---- the real root cause --------------------------------------------------------------------
 
 
+ORIGIN = """
+import time, pytest, torch
+import rankwise as rw
+from harness import assert_on_all_ranks
+
+def slow_to_report(exc_type):
+    # Rank 2 is the origin, but the last to report: the race that named the wrong rank.
+    try:
+        yield
+    except exc_type:
+        time.sleep(0.5)
+        raise
+
+@pytest.mark.ranks(4)
+def test_all_reduce(rank):
+    def value():
+        if rank == 2:
+            raise ValueError("bad batch on 2")
+        return rank
+    with contextlib.contextmanager(slow_to_report)(ValueError):
+        rw.all_reduce("batch_size", value, sum)
+
+@pytest.mark.ranks(4)
+def test_assert_on_all_ranks(rank):
+    with contextlib.contextmanager(slow_to_report)(AssertionError):
+        assert_on_all_ranks(rank != 2, "loss is nan")
+"""
+
+
+def test_the_origin_of_an_error_every_rank_raises_is_the_root_cause(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile("import contextlib\n" + ORIGIN)
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 2 failed: raised ValueError: bad batch on 2; ranks 0, 1, 3 collateral*",
+            "rank 2 failed: raised AssertionError: condition false on rank(s) [[]2[]]*; "
+            "ranks 0, 1, 3 collateral*",
+        ]
+    )
+
+
+def test_a_fault_at_a_label_acts_as_that_ranks_fn_raising(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+        import rankwise as rw
+        from harness import raises
+
+        OTHERS = r"all_reduce\\('batch_size'\\): rank 3 raised MemoryError"
+
+        @pytest.mark.ranks(4)
+        @pytest.mark.fault(rank=3, kind="raise", exc=MemoryError, at="batch_size")
+        @pytest.mark.expect(
+            rank=3, does=raises(MemoryError), others=raises(RuntimeError, match=OTHERS)
+        )
+        def test_fault_in_collective(rank):
+            rw.all_reduce("batch_size", lambda: rank, sum)
+
+        @pytest.mark.ranks(3)
+        @pytest.mark.fault(rank=0, kind="raise", exc=KeyError, at="broadcast_from:config")
+        @pytest.mark.expect(
+            rank=0, does=raises(KeyError), others=raises(RuntimeError, match="src rank 0 raised")
+        )
+        def test_fault_at_the_source(rank):
+            rw.broadcast_from("config", lambda: {"lr": 1.0}, src=0)
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_a_rank_that_returns_while_peers_wait_is_named(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
