@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit bench gpu clean
+.PHONY: demo test lint typecheck unit test-faults bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu" -ra
+
+# The failure matrix at 2, 4 and 8 ranks (slow: minutes); also selected by -m slow.
+test-faults: $(STAMP)
+	$(PY) -m pytest -m slow tests/harness/test_fault_matrix.py -ra -v
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all

@@ -212,10 +212,13 @@ def _out_of_step(by_rank: dict[int, RankOutcome], failed: Sequence[int]) -> Diag
 def _departed(
     outcomes: Sequence[RankOutcome], by_rank: dict[int, RankOutcome], failed: Sequence[int]
 ) -> Diagnosis | None:
-    """Ranks that returned before every (peer-caused) failure: the peers waited on them."""
-    first_failure = min(by_rank[r].at for r in failed)
+    """Ranks that returned while every failure was peer-caused: the peers waited on them.
+
+    Not ordered by time: a rank that tore its group down reports its return after the
+    peers' errors that the teardown caused.
+    """
     left = sorted(
-        (o for o in outcomes if o.ending is Ending.RETURNED and o.at <= first_failure),
+        (o for o in outcomes if o.ending is Ending.RETURNED and o.rank not in failed),
         key=lambda o: (o.at, o.rank),
     )
     if not left:
