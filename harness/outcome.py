@@ -21,6 +21,7 @@ class Ending(enum.Enum):
     RAISED = "raised"
     EXITED = "exited"  # SystemExit raised in the body; the worker lives on
     SKIPPED = "skipped"  # pytest.skip() in the body
+    XFAILED = "xfailed"  # pytest.xfail() in the body
     HARD_EXIT = "hard exit"  # the process ended with an exit status (os._exit, abort paths)
     SIGNALLED = "signalled"  # the process died of a signal
     HUNG = "hung"  # still running at the deadline; stacks dumped, then killed
@@ -70,7 +71,8 @@ class RankOutcome:
     signal: int | None = None
     stack: str = ""  # Python stacks of a hung rank
     where: str = ""  # the labelled collective a hung rank was in, when known
-    output: str = ""  # captured stdout and stderr
+    stdout: str = ""  # what the rank wrote to fd 1 during the run (its tail, if long)
+    stderr: str = ""  # what it wrote to fd 2
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
@@ -78,6 +80,11 @@ class RankOutcome:
     warnings: list[RankWarning] = field(default_factory=list)
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
+
+    @property
+    def output(self) -> str:
+        """stdout, then stderr."""
+        return self.stdout + self.stderr
 
     @property
     def ok(self) -> bool:
@@ -132,6 +139,8 @@ class RankOutcome:
             return f"called sys.exit({self.exit_code})"
         if self.ending is Ending.SKIPPED:
             return f"skipped: {self.message}"
+        if self.ending is Ending.XFAILED:
+            return f"xfailed: {self.message}"
         if self.ending is Ending.HARD_EXIT:
             return f"process exited with status {self.exit_code}"
         if self.ending is Ending.SIGNALLED:
@@ -303,9 +312,10 @@ def render_report(
         if o.stack:
             lines.append("-- Python stacks at the deadline --")
             lines.append(o.stack.rstrip())
-        if o.output.strip():
-            lines.append(f"-- rank {r} captured stdout/stderr --")
-            lines.append(o.output.rstrip())
+        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
+            if text.strip():
+                lines.append(f"-- rank {r} captured {stream} --")
+                lines.append(text.rstrip())
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -61,7 +61,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     except SpecError:
         return  # left unparametrized: the test errors at set-up with the message
     metafunc.fixturenames.append(settings.WORLD_PARAM)
-    metafunc.parametrize(settings.WORLD_PARAM, sizes, ids=[f"ranks={n}" for n in sizes])
+    metafunc.parametrize(settings.WORLD_PARAM, sizes, ids=[f"ranks{n}" for n in sizes])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

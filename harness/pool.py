@@ -76,6 +76,7 @@ class RunRequest:
     spec: RankSpec
     target: Target
     args_blob: bytes
+    live: bool = False  # pytest -s: echo rank output as it comes
 
 
 class _Slot:
@@ -105,7 +106,8 @@ class _Slot:
         self.conn.close()
 
     def read_output(self) -> str:
-        return tail(self.files.capture)
+        """Both streams, for a rank that could not start."""
+        return tail(self.files.stdout) + tail(self.files.stderr)
 
     def read_where(self) -> str:
         with contextlib.suppress(OSError):
@@ -143,6 +145,44 @@ def tail(path: Path) -> str:
         return ""
     text = data.decode(errors="replace")
     return text if size <= OUTPUT_LIMIT else f"[... {size - OUTPUT_LIMIT} bytes cut ...]\n{text}"
+
+
+LIVE_POLL_S = 0.1
+
+
+class LiveOutput:
+    """Echoes new lines of each rank's output files to this process's stdout, prefixed."""
+
+    def __init__(self, ranks: list[int], slots: list[_Slot], enabled: bool) -> None:
+        self.enabled = enabled
+        self._files = [(r, s.files.stdout) for r, s in zip(ranks, slots, strict=True)]
+        self._files += [(r, s.files.stderr) for r, s in zip(ranks, slots, strict=True)]
+        self._offsets = {path: 0 for _, path in self._files}
+        self._partial = {path: b"" for _, path in self._files}
+        self._started = False
+
+    def drain(self) -> None:
+        if not self.enabled:
+            return
+        for rank, path in self._files:
+            data = self._partial[path] + self._read_new(path)
+            *lines, self._partial[path] = data.split(b"\n")
+            for line in lines:
+                if not self._started:  # off pytest's progress line, onto one of its own
+                    sys.stdout.write("\n")
+                    self._started = True
+                sys.stdout.write(f"[rank {rank}] {line.decode(errors='replace')}\n")
+        sys.stdout.flush()
+
+    def _read_new(self, path: Path) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets[path])
+                data = f.read()
+        except OSError:
+            return b""
+        self._offsets[path] += len(data)
+        return data
 
 
 class Pool:
@@ -184,11 +224,14 @@ class Pool:
     def pids(self) -> list[int]:
         return [slot.pid for slot in self.slots]
 
-    def run(self, tasks: list[RunTask]) -> list[RankOutcome]:
-        """Run one task per rank and return every rank's outcome, in rank order."""
+    def run(self, tasks: list[RunTask], live: bool = False) -> list[RankOutcome]:
+        """Run one task per rank and return every rank's outcome, in rank order.
+
+        `live`: echo each rank's output lines as they come, "[rank k] ..." (pytest -s).
+        """
         completed = False
         try:
-            outcomes = _Run(self, tasks, tasks[0].spec.timeout_s).collect()
+            outcomes = _Run(self, tasks, tasks[0].spec.timeout_s, live).collect()
             completed = True
             return outcomes
         finally:
@@ -206,8 +249,11 @@ class Pool:
 class _Run:
     """The pytest side of one run: send, wait for every rank within the deadline, classify."""
 
-    def __init__(self, pool: Pool, tasks: list[RunTask], timeout_s: float) -> None:
+    def __init__(
+        self, pool: Pool, tasks: list[RunTask], timeout_s: float, live: bool = False
+    ) -> None:
         self.pool = pool
+        self._live = LiveOutput([s.rank for s in pool.slots], pool.slots, enabled=live)
         self.slots = list(pool.slots)
         self.tasks = tasks
         self.key = tasks[0].key
@@ -231,9 +277,12 @@ class _Run:
             if remaining <= 0:
                 self._handle_hang()
                 break
-            self._wait_once(remaining)
+            self._wait_once(min(remaining, LIVE_POLL_S) if self._live.enabled else remaining)
+            self._live.drain()
+        self._live.drain()
         for slot in self.slots:
-            self.outcomes[slot.rank].output = slot.read_output()
+            self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
+            self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
             o.ending in _NOT_REUSABLE or "threads" in o.leftovers for o in self.outcomes.values()
@@ -387,7 +436,7 @@ class Pools:
             for rank in range(request.spec.world_size)
         ]
         try:
-            return pool.run(tasks)
+            return pool.run(tasks, request.live)
         finally:
             del launch_store  # torchrun's agent store lives for the run only
 

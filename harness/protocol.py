@@ -31,9 +31,24 @@ START_METHODS: tuple[StartMethod, ...] = ("forkserver", "spawn", "fork")
 
 # faulthandler dumps every thread's stack on this signal, even inside a C++ collective.
 DUMP_STACKS_SIGNAL = signal.SIGUSR1
-# Fixtures each rank makes for itself: only a rank knows them, or (monkeypatch) their undo
-# must run in the rank. The pytest process sends None in their place.
-RANK_SIDE_FIXTURES = ("rank", "device", "monkeypatch")
+# Fixtures each rank makes for itself: only a rank knows them, or their effect (capture,
+# patches, finalizers) must happen in the rank. The pytest process sends None in their
+# place, except a base the rank builds from: tmp_path and tmpdir (the test's directory, as
+# a str), request (a RequestInfo).
+RANK_SIDE_FIXTURES = (
+    "rank",
+    "device",
+    "monkeypatch",
+    "capsys",
+    "capsysbinary",
+    "capfd",
+    "capfdbinary",
+    "caplog",
+    "recwarn",
+    "request",
+    "tmp_path",
+    "tmpdir",
+)
 WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a rank is in
 # The harness's own tests set this to make rank 1's first N group set-ups fail.
 SIMULATED_SET_UP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"
@@ -57,6 +72,10 @@ class Target:
     module: str
     file: str | None  # loaded with assertion rewriting when given
     qualname: str
+    # Modules the pytest process loaded from files under names a rank cannot import (pytest's
+    # importlib import mode, conftests): (name, file); and their packages: (name, paths).
+    modules: tuple[tuple[str, str], ...] = ()
+    packages: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,21 @@ class WarningFilters:
     cmdline: tuple[str, ...] = ()  # -W options
     marks: tuple[str, ...] = ()  # the test's filterwarnings markers, closest last
     python_warnoptions: bool = False  # python -W was given: pytest then adds no defaults
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a test's ``request`` can tell a rank: a snapshot taken in the pytest process."""
+
+    name: str
+    nodeid: str
+    keywords: tuple[str, ...]
+    markers: tuple[tuple[str, tuple[Any, ...], dict[str, Any]], ...]  # closest first
+    fixturenames: tuple[str, ...]
+    options: dict[str, Any]  # those that pickle
+    ini: dict[str, Any]  # those that pickle
+    has_param: bool = False
+    param: Any = None
 
 
 def device_for(backend: Backend, rank: int) -> str:
@@ -141,7 +175,8 @@ class Message:
 class RankFiles:
     """The files one rank writes and the pytest process reads, even after the rank died."""
 
-    capture: Path  # the rank's stdout and stderr
+    stdout: Path  # fd 1 of the rank
+    stderr: Path  # fd 2 of the rank
     stacks: Path  # faulthandler's dump on DUMP_STACKS_SIGNAL
     where: Path  # the where-buffer (WHERE_SIZE bytes, memory-mapped by the rank)
 
@@ -149,6 +184,7 @@ class RankFiles:
     def in_dir(cls, directory: Path, rank: int) -> RankFiles:
         return cls(
             directory / f"rank{rank}.out",
+            directory / f"rank{rank}.err",
             directory / f"rank{rank}.stacks",
             directory / f"rank{rank}.where",
         )
@@ -164,11 +200,13 @@ def decode_where(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def encode_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """A run's positional and keyword arguments, for the trip to the ranks."""
-    return pickle.dumps((args, kwargs))
+def encode_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], instance_state: dict[str, Any] | None = None
+) -> bytes:
+    """A run's arguments, for the trip to the ranks; a test class instance's attributes too."""
+    return pickle.dumps((args, kwargs, instance_state))
 
 
-def decode_args(blob: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    args, kwargs = pickle.loads(blob)
-    return tuple(args), dict(kwargs)
+def decode_args(blob: bytes) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any] | None]:
+    args, kwargs, state = pickle.loads(blob)
+    return tuple(args), dict(kwargs), state

@@ -6,6 +6,7 @@ needs ranks.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 from collections.abc import Callable, Iterator
@@ -21,8 +22,14 @@ from harness import faults as fault_specs
 from harness import rank_warnings
 from harness.errors import SpecError
 from harness.faults import Fault
-from harness.outcome import Ending, RankOutcome, failure_text, set_up_failure_text
-from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, Target, encode_args
+from harness.outcome import (
+    Ending,
+    RankOutcome,
+    failure_text,
+    ranks_phrase,
+    set_up_failure_text,
+)
+from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, RequestInfo, Target, encode_args
 from harness.settings import settings_of, spec_for_call
 
 if TYPE_CHECKING:
@@ -49,7 +56,8 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
     rank_warnings.reemit(outcomes)
     _record_leftovers(item, outcomes)
-    judge(item.nodeid, spec, outcomes)
+    _attach_output(item, outcomes)
+    judge(item, spec, outcomes)
 
 
 def _with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
@@ -71,7 +79,31 @@ def test_target(item: pytest.Function) -> Target:
     qualname = item.originalname
     if item.cls is not None:
         qualname = f"{item.cls.__qualname__}.{item.originalname}"
-    return Target(module.__name__, getattr(module, "__file__", None), qualname)
+    modules, packages = test_modules()
+    return Target(module.__name__, getattr(module, "__file__", None), qualname, modules, packages)
+
+
+def test_modules() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[str, ...]], ...]]:
+    """The test and conftest modules loaded here, and the packages above them, so a rank can
+    import them by the names pytest gave them (with --import-mode=importlib, names that are
+    not importable from sys.path)."""
+    modules = {
+        name: file
+        for name, module in list(sys.modules.items())
+        if (file := getattr(module, "__file__", None)) and _is_test_file(file)
+    }
+    packages: dict[str, tuple[str, ...]] = {}
+    for name in modules:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            paths = getattr(sys.modules.get(parent), "__path__", None)
+            if paths is not None:
+                packages[parent] = tuple(str(p) for p in paths)
+    return tuple(sorted(modules.items())), tuple(sorted(packages.items()))
+
+
+test_modules.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
 
 
 test_target.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
@@ -80,18 +112,67 @@ test_target.__test__ = False  # type: ignore[attr-defined]  # not a test, despit
 def sendable_funcargs(item: pytest.Function) -> bytes:
     """The test's arguments resolved here, encoded for the trip to the ranks.
 
-    A value that cannot travel fails the test naming its fixture; each value is pickled on
-    its own only then, to find it.
+    Fixtures the ranks make for themselves travel as what they are built from. A value that
+    cannot travel fails the test naming its fixture; each value is pickled on its own only
+    then, to find it. A test class instance's attributes (set by setup_method) travel too.
     """
-    kwargs = {
-        name: None if name in RANK_SIDE_FIXTURES else item.funcargs[name]
-        for name in item._fixtureinfo.argnames
-    }
+    kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
+    state = dict(vars(item.instance)) if item.instance is not None else None
     try:
-        return encode_args((), kwargs)
+        return encode_args((), kwargs, state)
     except Exception:
-        _fail_naming_the_fixture(item, kwargs)
+        _fail_naming_the_fixture(item, {**kwargs, **(state or {})})
         raise  # no single value is to blame: the error as pickle gave it
+
+
+def _sent_value(item: pytest.Function, name: str) -> Any:
+    if name == "request":
+        return request_info(item)
+    if name in ("tmp_path", "tmpdir"):
+        return str(item.funcargs[name])  # each rank makes its own directory below it
+    return None if name in RANK_SIDE_FIXTURES else item.funcargs[name]
+
+
+def request_info(item: pytest.Function) -> RequestInfo:
+    """What the test's ``request`` can tell a rank, as far as it can travel."""
+    request: Any = item._request
+    inis = {name: _ini(item.config, name) for name in item.config._parser._inidict}
+    return RequestInfo(
+        name=item.name,
+        nodeid=item.nodeid,
+        keywords=tuple(item.keywords),
+        markers=tuple(_mark_that_travels(m) for m in item.iter_markers()),
+        fixturenames=tuple(item.fixturenames),
+        options=_picklable(vars(item.config.option)),
+        ini=_picklable(inis),
+        has_param=hasattr(request, "param"),
+        param=getattr(request, "param", None),
+    )
+
+
+def _ini(config: pytest.Config, name: str) -> Any:
+    try:
+        return config.getini(name)
+    except Exception:
+        return None
+
+
+def _mark_that_travels(mark: pytest.Mark) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    args = tuple(a if _pickles(a) else repr(a) for a in mark.args)
+    kwargs = {k: v if _pickles(v) else repr(v) for k, v in mark.kwargs.items()}
+    return mark.name, args, kwargs
+
+
+def _picklable(values: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in values.items() if _pickles(value)}
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> None:
@@ -105,6 +186,15 @@ def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> N
                 f"inside the test body",
                 pytrace=False,
             )
+
+
+def _attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+    """Every rank's output on the report, one section per rank and stream, as pytest keeps a
+    plain test's (-rP, -rA, junit xml), passing or not."""
+    for o in outcomes:
+        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
+            if text:
+                item.add_report_section("call", f"{stream} [rank {o.rank}]", text)
 
 
 def _record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
@@ -124,16 +214,62 @@ def raise_leftovers(item: pytest.Item) -> None:
         raise RankLeftovers(text)
 
 
-def judge(nodeid: str, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
-    """Pass only if every rank ended as expected; otherwise fail with the root cause first."""
+def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
+    """Pass only if every rank ended as expected; otherwise fail with the root cause first.
+
+    pytest's own outcomes raised in ranks count as in a plain test: a skip or an xfail on
+    every rank (the others returning, for an xfail) skips or xfails the test.
+    """
     if all(o.setup_failed for o in outcomes):
         raise HarnessError(set_up_failure_text(outcomes), pytrace=False)
     if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported at the test, not here
         raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
+    _xfail_if_ranks_did(outcomes)
+    _fail_a_partial_skip(outcomes)
     text = failure_text(outcomes, spec.expected)
     if text is not None:
         first, _, rest = text.partition("\n")
-        pytest.fail(f"{first}  [{spec.world_size} ranks, {nodeid}]\n{rest}", pytrace=False)
+        message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
+        raise _as_the_xfail_marker_expects(item, outcomes, message)
+
+
+def _xfail_if_ranks_did(outcomes: list[RankOutcome]) -> None:
+    xfailed = [o for o in outcomes if o.ending is Ending.XFAILED]
+    if xfailed and all(o.ending in (Ending.XFAILED, Ending.RETURNED) for o in outcomes):
+        pytest.xfail(xfailed[0].message)
+
+
+def _fail_a_partial_skip(outcomes: list[RankOutcome]) -> None:
+    skipped = [o.rank for o in outcomes if o.ending is Ending.SKIPPED]
+    ran = [o.rank for o in outcomes if o.ending is Ending.RETURNED]
+    if skipped and len(skipped) + len(ran) == len(outcomes):
+        reason = next(o.message for o in outcomes if o.ending is Ending.SKIPPED)
+        pytest.fail(
+            f"{ranks_phrase(skipped)} skipped ({reason}) while {ranks_phrase(ran)} ran: skip on "
+            f"every rank or on none (decide from something every rank sees alike)",
+            pytrace=False,
+        )
+
+
+def _as_the_xfail_marker_expects(
+    item: pytest.Item, outcomes: list[RankOutcome], message: str
+) -> BaseException:
+    """The failure to raise: pytest.fail's, or for xfail(raises=E) with E raised on the root
+    cause's rank, an E, which is what pytest's xfail checks."""
+    mark = item.get_closest_marker("xfail")
+    raises = mark.kwargs.get("raises") if mark is not None else None
+    failure = Failed(message, pytrace=False)
+    if raises is None:
+        return failure
+    wanted = raises if isinstance(raises, tuple) else (raises,)
+    names = {name for o in outcomes if o.ending is Ending.RAISED for name in o.exc_mro[:1]}
+    for cls in wanted:
+        if cls.__name__ in names:
+            with contextlib.suppress(Exception):
+                error: BaseException = cls.__new__(cls)
+                error.args = (message,)
+                return error
+    return failure
 
 
 def skip_without_gpus(needed: int) -> None:
@@ -156,7 +292,8 @@ def run(
     """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
     from harness.pool import RunRequest
 
-    return pools_of(config).run(RunRequest(spec, target, args_blob))
+    live = config.getoption("capture", None) == "no"  # -s: rank output as it comes
+    return pools_of(config).run(RunRequest(spec, target, args_blob, live))
 
 
 def pools_of(config: pytest.Config) -> Pools:

@@ -6,7 +6,7 @@ is imported once in the server and every rank starts with it already loaded.
 
 A worker serves one slot (rank) of one pool for many tests: it waits for a ``RUN`` message,
 sets the test's process group up (or torchrun's environment in launch mode), runs the target,
-tears the group down and answers with a ``RESULT``. Its stdout and stderr go to a capture file
+tears the group down and answers with a ``RESULT``. Its stdout and stderr go to two files
 the pytest process reads after each run, even if the rank died; ``SIGUSR1`` dumps every
 thread's Python stack to a second file, also while the rank is blocked in a C++ collective.
 """
@@ -19,6 +19,9 @@ import ctypes
 import faulthandler
 import gc
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import mmap
 import os
 import pickle
@@ -40,17 +43,19 @@ from harness.faults import Injector, rankwise_points
 from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
     DUMP_STACKS_SIGNAL,
-    RANK_SIDE_FIXTURES,
     SIMULATED_SET_UP_FAILURES,
     WHERE_SIZE,
     Kind,
     Message,
     RankFiles,
     Ready,
+    RequestInfo,
     RunTask,
+    Target,
     decode_args,
     encode_where,
 )
+from harness.rank_fixtures import RankFixtures
 from harness.torchrun_env import torchrun_env
 
 _PR_SET_PDEATHSIG = 1
@@ -65,7 +70,7 @@ def main(conn: Any, files: RankFiles) -> None:
     _die_with_parent()
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
-    capture_fd = _redirect_output(str(files.capture))
+    capture_fds = _redirect_output(files)
     stack_file = open(files.stacks, "a")  # noqa: SIM115 - must outlive this frame
     faulthandler.register(DUMP_STACKS_SIGNAL, file=stack_file, all_threads=True)
     where = _WhereBoard(str(files.where))
@@ -78,7 +83,8 @@ def main(conn: Any, files: RankFiles) -> None:
             message = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the pytest process is gone
-        os.ftruncate(capture_fd, 0)
+        for fd in capture_fds:
+            os.ftruncate(fd, 0)
         outcome = _serve(message.payload)
         _flush()
         conn.send(Message(Kind.RESULT, outcome))
@@ -113,12 +119,15 @@ def _release_forkserver() -> None:
         server._forkserver_address = None
 
 
-def _redirect_output(path: str) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+def _redirect_output(files: RankFiles) -> tuple[int, int]:
+    """fds 1 and 2 into the rank's files, which the pytest side reads even after a death."""
+    fds = []
+    for target, path in ((1, files.stdout), (2, files.stderr)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+        os.dup2(fd, target)
+        fds.append(fd)
     sys.stdout, sys.stderr = rank_state.open_streams()
-    return fd
+    return fds[0], fds[1]
 
 
 def _flush() -> None:
@@ -294,21 +303,26 @@ def _teardown_group() -> None:
 
 
 def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
-    fn = _resolve(task)
-    args, kwargs = decode_args(task.args_blob)
-    kwargs.update(_rank_side_values(task, kwargs))
+    _finder.learn(task.target)  # before the arguments: their classes may live in those modules
+    args, kwargs, instance_state = decode_args(task.args_blob)
+    fn = _resolve(task, instance_state)
+    info = kwargs.get("request")
+    fixtures = RankFixtures(task.rank, info if isinstance(info, RequestInfo) else None)
     try:
+        kwargs.update(_rank_side_values(task, kwargs))
+        kwargs.update(fixtures.make(kwargs))
         injector.at_start()
         value = fn(*args, **kwargs)
         _refuse_awaitable(value)
+        fixtures.close()  # finalizers and undoing, in the rank: an error there fails it
     except BaseException as exc:
         outcome = _ended_by(task, exc)  # the traceback text, before its frames are cleared
-        _undo(kwargs)
+        with contextlib.suppress(BaseException):
+            fixtures.close()
         _release(exc)
         del exc, args, kwargs
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
-    _undo(kwargs)
     missed = injector.unreached()
     if missed is not None:
         return _raised(task, missed)  # never raised: no traceback, the message says it all
@@ -321,14 +335,19 @@ def _ended_by(task: RunTask, exc: BaseException) -> RankOutcome:
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
         outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
         outcome.traceback = _user_traceback(exc)  # where it was called
-    elif type(exc).__name__ == "Skipped":
-        return _ended(task, Ending.SKIPPED, message=str(getattr(exc, "msg", exc)))
+    elif type(exc).__name__ in _PYTEST_OUTCOMES:
+        ending = _PYTEST_OUTCOMES[type(exc).__name__]
+        return _ended(task, ending, message=str(getattr(exc, "msg", exc)))
     else:
         outcome = _raised(task, exc)
     origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
     if isinstance(origin, int) and not isinstance(origin, bool):
         outcome.origin_rank = origin
     return outcome
+
+
+# pytest's outcome exceptions a test body may raise, by class name (pytest.skip, pytest.xfail).
+_PYTEST_OUTCOMES = {"Skipped": Ending.SKIPPED, "XFailed": Ending.XFAILED}
 
 
 def _refuse_awaitable(value: Any) -> None:
@@ -359,29 +378,14 @@ def _release(exc: BaseException) -> None:
     gc.collect()
 
 
-def _undo(kwargs: dict[str, Any]) -> None:
-    """Undo the rank's monkeypatch now: the worker outlives the test."""
-    patcher = kwargs.get("monkeypatch")
-    if patcher is not None:
-        patcher.undo()
-
-
 def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Fill the fixtures only a rank can know, where the test asked for them."""
     known: dict[str, Callable[[], Any]] = {
         "rank": lambda: task.rank,
         "world_size": lambda: task.spec.world_size,
         "device": lambda: torch.device(task.device),
-        "monkeypatch": _new_monkeypatch,
     }
-    assert set(RANK_SIDE_FIXTURES) <= set(known)
     return {name: make() for name, make in known.items() if name in kwargs}
-
-
-def _new_monkeypatch() -> Any:
-    import pytest
-
-    return pytest.MonkeyPatch()
 
 
 def _ended(task: RunTask, ending: Ending, **fields: Any) -> RankOutcome:
@@ -435,7 +439,7 @@ def _safe_repr(value: Any) -> str:
 _loaded: dict[str, tuple[str, int]] = {}
 
 
-def _resolve(task: RunTask) -> Callable[..., Any]:
+def _resolve(task: RunTask, instance_state: dict[str, Any] | None) -> Callable[..., Any]:
     target = task.target
     module = _load_module(target.module, target.file)
     holder: Any = module
@@ -444,7 +448,52 @@ def _resolve(task: RunTask) -> Callable[..., Any]:
         holder = getattr(holder, part)
     if isinstance(holder, type):
         holder = holder()  # a test class: pytest makes one instance per test too
+        holder.__dict__.update(instance_state or {})  # what setup_method set on it
     return getattr(holder, parts[-1])  # type: ignore[no-any-return]
+
+
+class _PytestsModules(importlib.abc.MetaPathFinder):
+    """Finds, last of all finders, the modules pytest loaded under names sys.path cannot
+    resolve (--import-mode=importlib, rootdir-relative packages): by the file pytest used."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, str] = {}
+        self._packages: dict[str, tuple[str, ...]] = {}
+
+    def learn(self, target: Target) -> None:
+        self._files.update(target.modules)
+        self._packages.update(target.packages)
+        if self not in sys.meta_path:
+            sys.meta_path.append(self)
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name in self._files:
+            loader = _RewritingLoader(self._files[name])
+            return importlib.util.spec_from_file_location(name, self._files[name], loader=loader)
+        if name in self._packages:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = list(self._packages[name])
+            return spec  # a namespace package over pytest's paths
+        return None
+
+
+class _RewritingLoader(importlib.abc.Loader):
+    """Executes a test or conftest file as pytest does: with its asserts rewritten."""
+
+    def __init__(self, file: str) -> None:
+        self._file = file
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        source = Path(self._file).read_bytes()
+        tree = ast.parse(source, filename=self._file)
+        _rewrite_asserts(tree, source, self._file)
+        exec(compile(tree, self._file, "exec", dont_inherit=True), module.__dict__)
+
+
+_finder = _PytestsModules()
 
 
 def _load_module(name: str, file: str | None) -> types.ModuleType:

@@ -3,6 +3,7 @@
 Run: pytest -p harness --ranks 4 examples/downstream
 """
 
+import os
 import signal
 
 import pytest
@@ -95,3 +96,34 @@ def test_parse_time_launch_detection(launch_env) -> None:  # type: ignore[no-unt
 
 def test_threads_as_ranks(threaded_world) -> None:  # type: ignore[no-untyped-def]
     assert threaded_world(lambda rank: rank * 2, world_size=3) == [0, 2, 4]
+
+
+# ---- pytest's own fixtures work in rank tests -------------------------------------------
+
+
+@pytest.fixture(params=[2, 8])
+def batch(request: pytest.FixtureRequest) -> int:
+    """A parametrized fixture: resolved in the pytest process, its value sent to every rank."""
+    return int(request.param)
+
+
+@pytest.mark.ranks(2)
+def test_logs_prints_and_files_are_per_rank(
+    rank: int,
+    batch: int,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: "os.PathLike[str]",
+    request: pytest.FixtureRequest,
+) -> None:
+    import logging
+    from pathlib import Path
+
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("train").info("rank %d: batch %d", rank, batch)
+    print(f"checkpoint for rank {rank}")
+    assert caplog.messages == [f"rank {rank}: batch {batch}"]
+    assert capsys.readouterr().out == f"checkpoint for rank {rank}\n"
+    (Path(tmp_path) / "ckpt.pt").write_bytes(b"x" * batch)  # each rank's own directory
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ckpt.pt"]
+    assert request.node.name == f"test_logs_prints_and_files_are_per_rank[{batch}-ranks2]"

@@ -29,6 +29,7 @@ CASES: dict[str, tuple[str, str, str]] = {
     "exit3": ("sys.exit(3)", "failed", "rank {r} failed: called sys.exit(3)*"),
     "exit0": ("sys.exit(0)", "failed", "rank {r} failed: called sys.exit(0)*"),
     "exit3_all": ("ALL sys.exit(3)", "failed", "rank * failed: called sys.exit(3); rank* also*"),
+    "exit0_all": ("ALL sys.exit(0)", "failed", "rank * failed: called sys.exit(0); rank* also*"),
     "os_exit0": ("os._exit(0)", "failed", "rank {r} failed: process exited with status 0*"),
     "os_exit3": ("os._exit(3)", "failed", "rank {r} failed: process exited with status 3*"),
     "sigkill": (
@@ -121,8 +122,8 @@ def test_the_failure_matrix(inner: pytest.Pytester, world: int) -> None:
     }
     for name, (_, outcome, summary) in CASES.items():
         status = "ERROR" if outcome == "error" else outcome.upper()
-        result.stdout.fnmatch_lines([f"*test_case_{name}[[]ranks={world}[]] {status}*"])
-        result.stdout.fnmatch_lines([f"*test_next_after_{name}[[]ranks={world}[]] PASSED*"])
+        result.stdout.fnmatch_lines([f"*test_case_{name}[[]ranks{world}[]] {status}*"])
+        result.stdout.fnmatch_lines([f"*test_next_after_{name}[[]ranks{world}[]] PASSED*"])
         if summary:
             result.stdout.fnmatch_lines([summary.format(r=r)])
         kind = "hang" if name in HANGS else "other"

@@ -41,11 +41,11 @@ def test_sizes_parametrise_with_real_ids(inner: pytest.Pytester) -> None:
     )
     result = inner.runpytest("-p", "harness", "-v")
     result.stdout.fnmatch_lines(
-        ["*test_world[[]ranks=2[]] PASSED*", "*test_world[[]ranks=4[]] PASSED*"]
+        ["*test_world[[]ranks2[]] PASSED*", "*test_world[[]ranks4[]] PASSED*"]
     )
     # The ids select like any other: by node id, or with -k.
     result = inner.runpytest(
-        "-p", "harness", "test_sizes_parametrise_with_real_ids.py::test_world[ranks=4]"
+        "-p", "harness", "test_sizes_parametrise_with_real_ids.py::test_world[ranks4]"
     )
     result.assert_outcomes(passed=1)
     result = inner.runpytest("-p", "harness", "-k", "world and 2")

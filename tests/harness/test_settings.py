@@ -65,7 +65,7 @@ def test_markers_and_run_on_ranks_share_one_timeout_precedence(
 ) -> None:
     items = _items(pytester, TIMEOUTS, *args)
     for name, seconds in expected.items():
-        item = items[f"{name}[ranks=2]"]
+        item = items[f"{name}[ranks2]"]
         settings = settings_of(item.config)
         assert spec_for(item, settings).timeout_s == seconds, name
         own = 7 if name == "test_own" else None  # run_on_ranks(timeout=7) in that test

@@ -58,7 +58,7 @@ def test_the_root_cause_section_has_values_traceback_and_output(inner: pytest.Py
             "*test_r.py*, line 8, in test_rank1",
             "*assert [[]1, 2[]] == [[]1, 3[]]",
             "*At index 1 diff: 2 != 3*",
-            "-- rank 1 captured stdout/stderr --",
+            "-- rank 1 captured stdout --",
             "rank 1 says hello",
             "*rank 0 (pid *)*[[]collateral[]]*",
         ]

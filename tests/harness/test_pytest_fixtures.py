@@ -1,0 +1,231 @@
+"""pytest's own fixtures, outputs and outcomes inside ranks, as in plain tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_pytests_fixtures_are_made_in_each_rank(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import logging, os, sys, warnings, pytest
+
+        @pytest.mark.ranks(2)
+        def test_capsys(rank, capsys):
+            print(f"hello from {rank}")
+            print("to err", file=sys.stderr)
+            captured = capsys.readouterr()
+            assert (captured.out, captured.err) == (f"hello from {rank}\\n", "to err\\n")
+
+        @pytest.mark.ranks(2)
+        def test_capfd(rank, capfd):
+            os.write(1, f"fd {rank}\\n".encode())
+            assert capfd.readouterr().out == f"fd {rank}\\n"
+
+        @pytest.mark.ranks(2)
+        def test_caplog(rank, caplog):
+            with caplog.at_level(logging.INFO):
+                logging.getLogger("train").info("step on rank %d", rank)
+            assert caplog.messages == [f"step on rank {rank}"]
+            assert caplog.record_tuples[0][:2] == ("train", logging.INFO)
+
+        @pytest.mark.ranks(2)
+        def test_recwarn(rank, recwarn):
+            warnings.warn(f"w{rank}", UserWarning)
+            assert [str(w.message) for w in recwarn] == [f"w{rank}"]
+
+        FINALIZED = []
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.parametrize("lr", [0.5])
+        @pytest.mark.slowish("x", n=1)
+        def test_request(rank, request, lr):
+            assert request.node.name == "test_request[ranks2-0.5]"
+            assert request.node.nodeid.endswith("::test_request[ranks2-0.5]")
+            assert "slowish" in request.node.keywords
+            assert request.node.get_closest_marker("slowish").kwargs == {"n": 1}
+            assert {"rank", "request", "lr"} <= set(request.fixturenames)
+            assert request.config.getoption("ranks") is None
+            assert request.config.getini("rank_timeout") == "30"
+            request.addfinalizer(lambda: FINALIZED.append(rank))
+
+        @pytest.mark.ranks(2)
+        def test_finalizer_ran_in_the_rank(rank):
+            assert FINALIZED == [rank]
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v", "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result.assert_outcomes(passed=6)
+
+
+def test_each_rank_has_its_own_tmp_path(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.ranks(3)
+        def test_tmp(rank, tmp_path, tmpdir, shared_tmp_path):
+            assert tmp_path.is_dir() and str(tmpdir) == str(tmp_path)
+            (tmp_path / "mine").write_text(str(rank))
+            paths = [None] * 3
+            dist.all_gather_object(paths, (str(tmp_path), str(shared_tmp_path)))
+            assert len({p for p, _ in paths}) == 3  # one each
+            assert len({s for _, s in paths}) == 1  # one for all
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_talks(rank):
+            print(f"working on {rank}")
+        """
+    )
+    result = inner.runpytest_subprocess("-p", "harness", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines_random(["[[]rank 0[]] working on 0", "[[]rank 1[]] working on 1"])
+
+
+def test_passing_tests_keep_every_ranks_output(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import sys, pytest
+
+        @pytest.mark.ranks(2)
+        def test_talks(rank):
+            print(f"out of {rank}")
+            print(f"err of {rank}", file=sys.stderr)
+        """
+    )
+    result = inner.runpytest(
+        "-p", "harness", "-rP", "--junitxml=out.xml", "-o", "junit_logging=all"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*Captured stdout [[]rank 0[]] call*",
+            "out of 0",
+            "*Captured stderr [[]rank 0[]] call*",
+            "err of 0",
+            "*Captured stdout [[]rank 1[]] call*",
+            "out of 1",
+        ]
+    )
+    xml = (inner.path / "out.xml").read_text()
+    assert "out of 0" in xml and "out of 1" in xml and "err of 1" in xml
+
+
+def test_xfail_in_ranks_is_reported_as_plain_pytest_does(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_imperative(rank):
+            pytest.xfail("not ready")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=KeyError, reason="known")
+        def test_expected_error(rank):
+            if rank == 1:
+                raise KeyError("k")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=KeyError)
+        def test_other_error_fails(rank):
+            if rank == 1:
+                raise ValueError("v")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(reason="flaky")
+        def test_xpass(rank):
+            pass
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(strict=True)
+        def test_strict_xpass(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rxX")
+    result.assert_outcomes(xfailed=2, failed=2, xpassed=1)
+
+
+def test_a_skip_on_some_ranks_says_which(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(3)
+        def test_partly(rank):
+            if rank == 1:
+                pytest.skip("no data here")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["rank 1 skipped (no data here) while ranks 0, 2 ran: skip on every rank or on none*"]
+    )
+
+
+def test_xunit_setup_method_state_reaches_the_rank(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        class TestModel:
+            def setup_method(self, method):
+                self.width = 8
+
+            @pytest.mark.ranks(2)
+            def test_sees_setup(self, rank):
+                assert self.width == 8
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("package", [True, False], ids=["package", "rootdir-relative"])
+def test_importlib_mode_and_rootdir_packages(pytester: pytest.Pytester, package: bool) -> None:
+    pytester.makeini("[pytest]\nrank_timeout = 30\n")
+    pkg = pytester.mkdir("suite")
+    (pkg / "conftest.py").write_text(
+        "import pytest\n\nclass Settings:\n    lr = 0.5\n\n"
+        "@pytest.fixture\ndef settings():\n    return Settings()\n"
+    )
+    (pkg / "helpers.py").write_text("LR = 0.5\n")
+    if package:
+        (pkg / "__init__.py").write_text("")
+    lr = "from .helpers import LR" if package else "LR = 0.5"
+    (pkg / "test_in_pkg.py").write_text(
+        f"import pytest\n{lr}\n\n@pytest.mark.ranks(2)\ndef test_lr(rank, settings):\n"
+        "    assert settings.lr == LR\n"
+    )
+    # The console script, as users run it: the rootdir is not on sys.path then.
+    script = Path(sys.executable).with_name("pytest")
+    result = pytester.run(script, "-p", "harness", "--import-mode=importlib", timeout=120)
+    result.assert_outcomes(passed=1)
+
+
+def test_select_by_world_size_with_k(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2, 3)
+        def test_world(world_size):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v", "-k", "ranks3")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["*test_world[[]ranks3[]] PASSED*"])
