@@ -125,7 +125,28 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
         raise  # no single value is to blame: the error as pickle gave it
 
 
+# pytest's fixtures bound to the pytest process itself (its reports, cache, config, files).
+PYTEST_PROCESS_ONLY = (
+    "pytestconfig",
+    "cache",
+    "record_property",
+    "record_xml_attribute",
+    "record_testsuite_property",
+    "pytester",
+    "testdir",
+    "doctest_namespace",
+    "capteesys",
+)
+
+
 def _sent_value(item: pytest.Function, name: str) -> Any:
+    if name in PYTEST_PROCESS_ONLY:
+        pytest.fail(
+            f"fixture {name!r} of {item.nodeid} lives in the pytest process and cannot be used "
+            f"inside ranks: use it in a test without @pytest.mark.ranks (run_on_ranks returns "
+            f"each rank's value to record there)",
+            pytrace=False,
+        )
     if name == "request":
         return request_info(item)
     if name in ("tmp_path", "tmpdir"):

@@ -229,3 +229,24 @@ def test_select_by_world_size_with_k(inner: pytest.Pytester) -> None:
     result = inner.runpytest("-p", "harness", "-v", "-k", "ranks3")
     result.assert_outcomes(passed=1, deselected=1)
     result.stdout.fnmatch_lines(["*test_world[[]ranks3[]] PASSED*"])
+
+
+def test_a_fixture_that_cannot_exist_in_a_rank_says_so(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_records(rank, record_property):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*fixture 'record_property' of *test_records* lives in the pytest process and "
+            "cannot be used inside ranks: *"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*During handling of the above exception*")
