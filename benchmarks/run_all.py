@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import collectives, harness_overhead, plots, suite
+from benchmarks import collectives, compute, harness_overhead, plots, suite
 from benchmarks._common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -33,6 +33,9 @@ def main() -> int:
     _write(lines)  # each section is saved as it completes
     print("measuring a whole suite...", flush=True)
     lines += suite.main()
+    _write(lines)
+    print("measuring compute-heavy ranks...", flush=True)
+    lines += compute.main()
     _write(lines)
     print("measuring the library against torch's object collectives...", flush=True)
     section, rows = collectives.main()

@@ -121,6 +121,7 @@ class RankSpec:
     expected: tuple[Expected, ...] = ()  # one per rank; empty: every rank must return
     hygiene: frozenset[str] = frozenset(CHECKS)  # the leftover checks to make after the body
     warning_filters: WarningFilters = WarningFilters()
+    threads: int | None = None  # torch intra-op threads per rank; None: torch's own
 
     def faults_on(self, rank: int) -> tuple[Fault, ...]:
         return tuple(f for f in self.faults if rank in f.ranks(self.world_size))

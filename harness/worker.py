@@ -208,6 +208,8 @@ def _enter_test_context(task: RunTask) -> None:
         os.environ.clear()
         os.environ.update(task.env)
     spec = task.spec
+    if spec.threads is not None:  # restored after the test (rank_state)
+        torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(task.device))
     if task.launch_port is not None:

@@ -141,3 +141,43 @@ def test_a_bad_option_stays_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "harness", "--ranks", "two")
     result.stderr.fnmatch_lines(["ERROR: invalid world size 'two' from --ranks: use an int >= 1"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_ranks_share_the_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.settings import usable_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = usable_cores()
+    assert Settings().threads_for(1) == cores
+    assert Settings().threads_for(4 * cores) == 1  # at least one
+    assert Settings(rank_threads=3).threads_for(8) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert Settings().threads_for(4) is None  # torch reads OMP_NUM_THREADS itself
+    assert Settings(rank_threads=3).threads_for(4) == 3
+
+
+def test_each_rank_gets_its_share_of_threads_and_the_worker_gets_its_own_back(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest, torch
+
+        WORKER_DEFAULT = torch.get_num_threads()
+
+        @pytest.mark.ranks(2)
+        def test_alpha_default(rank):
+            assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+
+        def probe():
+            return torch.get_num_threads()
+
+        def test_beta_option(run_on_ranks):
+            assert run_on_ranks(probe, world_size=2).values == [3, 3]
+        """
+    )
+    # By default each rank gets its share of the cores...
+    inner.runpytest("-p", "harness", "-k", "alpha").assert_outcomes(passed=1, deselected=1)
+    # ...or what --rank-threads says, for run_on_ranks as for the marker.
+    result = inner.runpytest("-p", "harness", "--rank-threads", "3", "-k", "beta")
+    result.assert_outcomes(passed=1, deselected=1)
