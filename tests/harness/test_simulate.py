@@ -115,4 +115,4 @@ def test_the_downstream_example_uses_only_the_documented_surface(pytester: pytes
     )
     pytester.makepyfile(test_my_training=example.read_text())
     result = pytester.runpytest_subprocess("-p", "harness", "--ranks", "4", "-v")
-    result.assert_outcomes(passed=10)
+    result.assert_outcomes(passed=12)

@@ -262,8 +262,8 @@ BREAKS_THEN_CHECKS = {
     "replaced-streams": ("sys.stdout = io.StringIO()", "assert sys.stdout.fileno() == 1"),
     "fds": (
         "os.close(0); os.close(1); os.close(2)",
-        "assert stat.S_ISREG(os.fstat(1).st_mode) and os.fstat(1).st_ino == os.fstat(2).st_ino; "
-        "os.fstat(0)",
+        "assert stat.S_ISREG(os.fstat(1).st_mode) and stat.S_ISREG(os.fstat(2).st_mode); "
+        "os.fstat(0); os.write(1, b'fd 1 reaches the report\\n')",
     ),
     "cwd": ("os.chdir('/')", "assert os.getcwd() == START_CWD"),
     "sys.path": ("sys.path[:] = ['/nowhere']", "import json; assert '/nowhere' not in sys.path"),
@@ -299,8 +299,10 @@ def test_a_warm_rank_is_restored_for_the_next_test(inner: pytest.Pytester, what:
             {checks}
         """
     )
-    result = inner.runpytest("-p", "harness", "-v")
+    result = inner.runpytest("-p", "harness", "-v", "-rP")
     result.stdout.fnmatch_lines(["*test_a_breaks* PASSED*", "*test_b_is_clean* PASSED*"])
+    if what == "fds":  # what the next test writes to fd 1 is captured, not lost
+        result.stdout.fnmatch_lines(["*Captured stdout [[]rank 0[]] call*", "fd 1 reaches*"])
 
 
 # ---- pytest's warning filters apply inside ranks ---------------------------------------------
