@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import collectives, compute, harness_overhead, plots, suite
+from benchmarks import adopt, collectives, compute, harness_overhead, plots, suite
 from benchmarks._common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -36,6 +36,9 @@ def main() -> int:
     _write(lines)
     print("measuring compute-heavy ranks...", flush=True)
     lines += compute.main()
+    _write(lines)
+    print("measuring an existing suite, as it is and adopted...", flush=True)
+    lines += adopt.main()
     _write(lines)
     print("measuring the library against torch's object collectives...", flush=True)
     section, rows = collectives.main()

@@ -15,12 +15,15 @@ from harness.faults import Fault, fault_point
 from harness.outcome import Ending, RankOutcome
 from harness.runner import RankRunner, WorldOutcome
 from harness.simulate import ThreadedWorldError
+from harness.spawning import RankPool, RankPoolError, spawn
 
 __all__ = [
     "Ending",
     "Expected",
     "Fault",
     "RankOutcome",
+    "RankPool",
+    "RankPoolError",
     "RankRunner",
     "ThreadedWorldError",
     "WorldOutcome",
@@ -33,7 +36,8 @@ __all__ = [
     "killed",
     "raises",
     "returns",
+    "spawn",
 ]
 
 # pytest registers these (hooks and fixtures) when it registers this module.
-pytest_plugins = ["harness.plugin", "harness.simulate"]
+pytest_plugins = ["harness.plugin", "harness.simulate", "harness.adopt", "harness.spawning"]

@@ -117,6 +117,7 @@ class RankSpec:
     backend: Backend = "gloo"
     start_method: StartMethod = "forkserver"
     launch: bool = False  # torchrun's environment and no process group
+    bare: bool = False  # no group and no torchrun environment: the target sets its own
     faults: tuple[Fault, ...] = ()
     expected: tuple[Expected, ...] = ()  # one per rank; empty: every rank must return
     hygiene: frozenset[str] = frozenset(CHECKS)  # the leftover checks to make after the body

@@ -40,7 +40,9 @@ OPTIONS: list[tuple[str, str, str]] = [
         "left alone when OMP_NUM_THREADS is set)",
         "N",
     ),
+    ("rank_adopt", "run torch's MultiProcessTestCase suites on warm ranks: torch", "KIND"),
 ]
+ADOPTERS = ("torch",)  # the --rank-adopt values: which existing test bases run on warm ranks
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Settings:
     start_method: StartMethod = "forkserver"
     backend: Backend = "gloo"
     rank_threads: int | None = None  # --rank-threads or the ini key
+    adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -87,6 +90,7 @@ def configure(config: pytest.Config) -> Settings:
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
             backend=_from_option(config, "rank_backend", "gloo", _backend),
             rank_threads=_from_option(config, "rank_threads", None, _threads),
+            adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -158,6 +162,13 @@ def _start_method(value: Any, origin: str) -> StartMethod:
         fix = f"choose one of {', '.join(START_METHODS)}"
         raise SpecError(invalid("start method", value, origin, fix))
     return cast(StartMethod, value)
+
+
+def _adopters(value: Any, origin: str) -> frozenset[str]:
+    names = frozenset(part.strip() for part in str(value).split(",") if part.strip())
+    if not names <= set(ADOPTERS):
+        raise SpecError(invalid("rank_adopt", value, origin, f"use {', '.join(ADOPTERS)}"))
+    return names
 
 
 def _launch(value: Any, origin: str) -> bool:

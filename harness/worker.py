@@ -171,7 +171,7 @@ def _serve(task: RunTask) -> RankOutcome:
         ):
             outcome = _run_target(task, injector)
         outcome.warnings = rank_warnings.collected(log)
-        group_left = task.launch_port is not None and dist.is_initialized()
+        group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
@@ -214,6 +214,8 @@ def _enter_test_context(task: RunTask) -> None:
         torch.cuda.set_device(torch.device(task.device))
     if task.launch_port is not None:
         os.environ.update(_launch_env(task))
+        return
+    if spec.bare:  # as under torch.multiprocessing.spawn: the target makes its own group
         return
     store = dist.PrefixStore(  # type: ignore[attr-defined]
         task.store_prefix, _client_store(task)

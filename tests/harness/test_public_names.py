@@ -9,6 +9,8 @@ HARNESS_NAMES = [
     "Expected",
     "Fault",
     "RankOutcome",
+    "RankPool",
+    "RankPoolError",
     "RankRunner",
     "ThreadedWorldError",
     "WorldOutcome",
@@ -21,6 +23,7 @@ HARNESS_NAMES = [
     "killed",
     "raises",
     "returns",
+    "spawn",
 ]
 
 

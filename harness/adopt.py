@@ -1,0 +1,359 @@
+"""Existing torch suites on warm ranks: ``--rank-adopt torch`` (ini ``rank_adopt = torch``).
+
+Tests whose class derives from torch's ``MultiProcessTestCase`` or ``MultiProcContinuousTest``
+(``torch.testing._internal.common_distributed``) keep their source. Their parent-side
+``setUp``/``tearDown`` (and ``setUpClass``) run in the pytest process as unittest runs them;
+each rank runs the class's own per-rank entry point (``_run``, or ``_worker_loop`` for the
+continuous base) on a warm rank. Only the spawning and the joining change: instead of starting
+processes, the parent hands the test to the harness, which judges every rank's end (a rank's
+``sys.exit`` fails), reports the root cause first, bounds a hang with every rank's stack, and
+leaves no process behind.
+
+A class whose spawning or joining the adapter cannot follow runs as before, and the terminal
+summary gets one line saying why. Imports no torch: a class can only derive from these bases
+once its test module has imported torch's module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import tempfile
+import types
+import unittest
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import pytest
+
+from harness import adopt_rank, rank_warnings, runner
+from harness.errors import SpecError
+from harness.outcome import Ending, RankOutcome
+from harness.protocol import RankSpec, Target, encode_args
+from harness.settings import settings_of, timeout_for
+
+TORCH_BASES = "torch.testing._internal.common_distributed"
+# The base's own parts the adapter replaces or relies on: a class that overrides one of the
+# replaced ones spawns or joins in a way the adapter cannot follow.
+PROCESS_REPLACED = (
+    "_spawn_processes",
+    "_start_processes",
+    "_join_processes",
+    "_check_return_codes",
+    "join_or_run",
+)
+PROCESS_NEEDED = (*PROCESS_REPLACED, "_run", "run_test", "TEST_ERROR_EXIT_CODE")
+PROCESS_ENTRY = ("rank", "test_name", "file_name", "parent_pipe")
+CONTINUOUS_REPLACED = ("_spawn_processes", "_worker_run_main_wait")
+CONTINUOUS_NEEDED = (*CONTINUOUS_REPLACED, "_worker_loop", "_run_test_given_id")
+CONTINUOUS_ENTRY = ("rank", "world_size", "rdvz_file", "task_queue", "completion_queue")
+# What an adopted rank is checked for after the test: the base ends its processes, so a group
+# or environment left behind is normal (the worker resets both), but a thread or process that
+# keeps running would meet the next test.
+ADOPTED_HYGIENE = frozenset({"threads", "processes"})
+
+Kind = Literal["process", "continuous"]
+
+
+@dataclass
+class _Session:
+    """What adoption knows in one pytest session: each class's verdict, the lines to print."""
+
+    kinds: dict[type, Kind | None] = field(default_factory=dict)
+    not_adopted: dict[str, str] = field(default_factory=dict)  # where -> why
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    loaded: set[tuple[tuple[int, ...], str]] = field(default_factory=set)  # (pool, module)
+
+
+_session_key = pytest.StashKey[_Session]()
+_timeout_key = pytest.StashKey[float]()  # an adopted test's bound, read before ours is marked
+
+
+def _session(config: pytest.Config) -> _Session:
+    if _session_key not in config.stash:
+        config.stash[_session_key] = _Session()
+    return config.stash[_session_key]
+
+
+# ---- hooks ------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One timer only for adopted tests: the harness's, which reports every rank's stack."""
+    if "torch" not in settings_of(config).adopt:
+        return
+    settings = settings_of(config)
+    for item in items:
+        if _kind(item) is None:
+            continue
+        with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
+            item.stash[_timeout_key] = timeout_for(settings, None, "", item)
+        if item.get_closest_marker("timeout") is not None or settings.pytest_timeout_s:
+            item.add_marker(pytest.mark.timeout(0), append=False)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    """Before the class's setUpClass: a continuous class spawns nothing from now on."""
+    cls = getattr(item, "cls", None)
+    if _kind(item) == "continuous" and "_spawn_processes" not in vars(cls):
+        _session(item.config).undo.append(_patch_continuous_spawn(cls))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """Point the test instance's spawning and joining at the harness, then let unittest run."""
+    kind = _kind(item)
+    case = getattr(item, "_testcase", None)  # the TestCase instance pytest made for the test
+    if kind == "process" and case is not None:
+        _adopt_process_case(item, case)
+    elif kind == "continuous" and case is not None:
+        _adopt_continuous_case(item, case)
+    return (yield)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    for where, why in _session(config).not_adopted.items():
+        terminalreporter.write_line(f"harness: not adopted, runs as before: {where}: {why}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(_session_key, None)
+    while session is not None and session.undo:
+        session.undo.pop()()
+
+
+# ---- which tests, and why not ---------------------------------------------------------------
+
+
+def _kind(item: pytest.Item) -> Kind | None:
+    """How `item` is adopted, or None (not asked for, not such a class, or not honourable)."""
+    cls = getattr(item, "cls", None)
+    if not isinstance(cls, type) or not issubclass(cls, unittest.TestCase):
+        return None
+    if "torch" not in settings_of(item.config).adopt:
+        return None
+    session = _session(item.config)
+    if cls not in session.kinds:
+        kind, why = classify(cls)
+        session.kinds[cls] = kind if why is None else None
+        if why is not None:
+            session.not_adopted[f"{cls.__module__}.{cls.__qualname__}"] = why
+    return session.kinds[cls]
+
+
+def classify(cls: type) -> tuple[Kind | None, str | None]:
+    """Which base `cls` derives from, and why it cannot be adopted (None when it can)."""
+    bases = sys.modules.get(TORCH_BASES)
+    if bases is None:
+        return None, None
+    process = getattr(bases, "MultiProcessTestCase", None)
+    continuous = getattr(bases, "MultiProcContinuousTest", None)
+    if isinstance(process, type) and issubclass(cls, process):
+        return "process", _unfollowable(cls, process, PROCESS_NEEDED, PROCESS_REPLACED, "_run")
+    if isinstance(continuous, type) and issubclass(cls, continuous):
+        why = _unfollowable(cls, continuous, CONTINUOUS_NEEDED, CONTINUOUS_REPLACED, "_worker_loop")
+        return "continuous", why
+    older = getattr(bases, "MultiProcContinousTest", None)  # sic: torch's earlier spelling
+    if isinstance(older, type) and issubclass(cls, older):
+        return "continuous", (
+            "the installed torch's MultiProcContinousTest (each rank runs the whole class "
+            "under torchrun via run_rank) is not a base the harness adopts"
+        )
+    return None, None
+
+
+def _unfollowable(
+    cls: type, base: type, needed: tuple[str, ...], replaced: tuple[str, ...], entry: str
+) -> str | None:
+    missing = [name for name in needed if not hasattr(base, name)]
+    expected = PROCESS_ENTRY if entry == "_run" else CONTINUOUS_ENTRY
+    if missing or _parameters(getattr(base, entry, None))[: len(expected)] != list(expected):
+        return (
+            f"the installed torch's {base.__name__} is not the one the harness supports "
+            f"(missing or changed: {', '.join(missing) or entry}); see README 'Existing suites'"
+        )
+    for owner in cls.__mro__[: cls.__mro__.index(base)]:
+        overridden = [name for name in replaced if name in vars(owner)]
+        if overridden:
+            return f"{owner.__qualname__} overrides {', '.join(overridden)}"
+    return None
+
+
+def _parameters(fn: Any) -> list[str]:
+    try:
+        return [p for p in inspect.signature(fn).parameters if p not in ("cls", "self")]
+    except (TypeError, ValueError):
+        return []
+
+
+# ---- MultiProcessTestCase -------------------------------------------------------------------
+
+
+@dataclass
+class _Spawn:
+    requested: str | None = None  # the base's spawning method setUp asked for
+
+
+def _adopt_process_case(item: pytest.Item, case: Any) -> None:
+    """setUp's request to spawn is only noted; the join runs the test on warm ranks."""
+    spawn = _Spawn()
+    for name in ("_spawn_processes", "_fork_processes"):
+        if hasattr(case, name):
+            setattr(case, name, functools.partial(setattr, spawn, "requested", name))
+    case._join_processes = functools.partial(_join_process_case, item, case, spawn)
+
+
+def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> None:
+    cls = type(case)
+    if spawn.requested is None:  # setUp spawned nothing: the base's own join decides
+        cls._join_processes(case, fn)
+        return
+    if fn in getattr(case, "skip_return_code_checks", ()) or fn in getattr(
+        case, "special_return_code_checks", {}
+    ):
+        _note(item, "expects exit statuses of its own (special/skip_return_code_checks)")
+        getattr(cls, spawn.requested)(case)
+        cls._join_processes(case, fn)
+        return
+    name = case._current_test_name
+    args = (
+        runner.function_target(cls),
+        name() if callable(name) else name,
+        case.file_name,
+        _entry_kwargs(cls, case),
+    )
+    spec = adopted_spec(item, int(case.world_size))
+    _run_and_judge(item, spec, adopt_rank.run_multiprocess_case, args)
+
+
+def _entry_kwargs(cls: type, case: Any) -> dict[str, Any]:
+    """The keyword arguments the base's _start_processes passes to _run."""
+    signature = inspect.signature(cls._run)  # type: ignore[attr-defined]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    if takes_any or "fake_pg" in signature.parameters:
+        return {"fake_pg": getattr(case, "fake_pg", False)}
+    return {}
+
+
+# ---- MultiProcContinuousTest ----------------------------------------------------------------
+
+
+def _patch_continuous_spawn(cls: Any) -> Callable[[], None]:
+    """The class's processes become none: each test runs on warm ranks instead."""
+
+    def no_processes(klass: Any, world_size: int) -> None:
+        klass.processes, klass.task_queues, klass.completion_queues = [], [], []
+        klass._harness_world_size = int(world_size)
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            klass.rdvz_file = f.name  # tearDownClass removes it, as after the base's spawn
+
+    cls._spawn_processes = classmethod(no_processes)
+    return lambda: delattr(cls, "_spawn_processes")
+
+
+def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
+    original = item.obj  # type: ignore[attr-defined]
+
+    @functools.wraps(original)
+    def adopted(self: Any) -> None:
+        _run_continuous_case(item, self)
+
+    item.obj = types.MethodType(adopted, case)  # type: ignore[attr-defined]
+
+
+def _run_continuous_case(item: pytest.Item, case: Any) -> None:
+    cls = type(case)
+    world_size = getattr(cls, "_harness_world_size", None)
+    if world_size is None:  # nothing was spawned for the class: the base's wait has nothing
+        return
+    with _rendezvous_file() as rdvz:
+        args = (runner.function_target(cls), case.id(), rdvz, world_size)
+        _run_and_judge(item, adopted_spec(item, world_size), adopt_rank.run_continuous_case, args)
+
+
+@contextlib.contextmanager
+def _rendezvous_file() -> Iterator[str]:
+    """A fresh file for one test's FileStore (the base makes one per class)."""
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        path = f.name
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+# ---- running and judging --------------------------------------------------------------------
+
+
+def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
+    """A run with no group set up (the class sets its own) under the harness's bound."""
+    settings = settings_of(item.config)
+    return RankSpec(
+        world_size=world_size,
+        timeout_s=item.stash.get(_timeout_key, None) or timeout_for(settings, None, "", item),
+        backend=settings.backend,
+        start_method=settings.start_method,
+        bare=True,
+        hygiene=ADOPTED_HYGIENE,
+        warning_filters=rank_warnings.filters_for(item.config, item),
+    )
+
+
+def _run_and_judge(
+    item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    case: Target = args[0]
+    outcomes = _load_once(item, spec, case)
+    if all(o.ok for o in outcomes):
+        target = runner.function_target(entry)
+        outcomes = runner.run(item.config, spec, target, encode_args(args, {"rank": None}))
+    rank_warnings.reemit(outcomes)
+    judge(item, spec, outcomes)
+
+
+def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutcome]:
+    """Import the class's module on fresh ranks before the test's own clock starts.
+
+    torch's test utilities take seconds to import; a rank that has not loaded them yet would
+    spend that out of the test's bound, and a short bound would read it as a hang.
+    """
+    from harness.pool import START_TIMEOUT_S, PoolKey
+
+    pool = runner.pools_of(item.config).get(PoolKey.of(spec))
+    key = (tuple(pool.pids), case.module)
+    loaded = _session(item.config).loaded
+    if key in loaded:
+        return []
+    load_spec = replace(spec, timeout_s=max(spec.timeout_s, START_TIMEOUT_S))
+    target = runner.function_target(adopt_rank.load)
+    outcomes = runner.run(item.config, load_spec, target, encode_args((case,), {}))
+    if all(o.ok for o in outcomes):
+        loaded.add(key)
+    return outcomes
+
+
+def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
+    """Skip when every rank skipped (a skip status included); else pass or fail as the harness."""
+    outcomes = [as_skip(o) for o in outcomes]
+    if all(o.ending is Ending.SKIPPED for o in outcomes):
+        raise unittest.SkipTest(outcomes[0].message)
+    runner.judge(item, spec, outcomes)
+
+
+def as_skip(outcome: RankOutcome) -> RankOutcome:
+    """A rank process that ended with one of torch's skip statuses skipped, with its reason."""
+    if outcome.ending is not Ending.HARD_EXIT or outcome.exit_code is None:
+        return outcome
+    reason = adopt_rank.skip_messages().get(outcome.exit_code)
+    return outcome if reason is None else replace(outcome, ending=Ending.SKIPPED, message=reason)
+
+
+def _note(item: pytest.Item, why: str) -> None:
+    _session(item.config).not_adopted[item.nodeid] = why

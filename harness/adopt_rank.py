@@ -1,0 +1,153 @@
+"""What runs inside a rank for adopted suites, ``harness.spawn`` and the ``rank_pool`` fixture.
+
+Each function here is a run's target: the worker calls it on every rank with the rank (and
+world size) filled in, and it calls the user's own code as the original launcher would have.
+Exit statuses that torch's test bases use as signals become what they mean here: a skip, or
+the exception the rank raised. Runs only in ranks; the pytest process never imports it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import unittest
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.outcome import exit_code
+from harness.protocol import Target
+
+
+def find(target: Target) -> Any:
+    """The class or function `target` names, from its module as the worker loads it."""
+    from harness import worker
+
+    holder: Any = worker._load_module(target.module, target.file)
+    for part in target.qualname.split("."):
+        holder = getattr(holder, part)
+    return holder
+
+
+def load(target: Target) -> None:
+    """Import `target`'s module (and the torch test utilities it imports) on this rank."""
+    find(target)
+
+
+def error_exit_code() -> int:
+    """The exit status MultiProcessTestCase gives a rank whose test raised."""
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+    return int(MultiProcessTestCase.TEST_ERROR_EXIT_CODE)
+
+
+def skip_messages() -> dict[int, str]:
+    """torch's skip exit statuses (TEST_SKIPS) and the reason each stands for."""
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    return {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
+
+
+# ---- MultiProcessTestCase: one test, each rank through the class's own entry point ----------
+
+
+def run_multiprocess_case(
+    case: Target,
+    test_name: str,
+    file_name: str,
+    entry_kwargs: dict[str, Any],
+    *,
+    rank: int,
+) -> None:
+    """Call the class's ``_run`` classmethod as the base does in each spawned process.
+
+    The base ends a rank with ``sys.exit``: its error status (the exception is the exit's
+    context) is raised again with its own traceback, its skip statuses become skips, and any
+    other exit stays an exit, which the harness counts as a failure.
+    """
+    cls = find(case)
+    receiving, sending = multiprocessing.Pipe()
+    try:
+        cls._run(rank, test_name, file_name, sending, **entry_kwargs)
+    except SystemExit as exc:
+        _translate_exit(exc)
+    finally:
+        receiving.close()
+        sending.close()
+
+
+def _translate_exit(exc: SystemExit) -> None:
+    code = exit_code(exc)
+    cause = exc.__context__
+    if isinstance(cause, unittest.SkipTest):
+        raise pytest.skip.Exception(str(cause) or "skipped") from None
+    if code == error_exit_code() and isinstance(cause, Exception):
+        raise cause from None  # the test's own exception, with its traceback
+    reason = skip_messages().get(code)
+    if reason is not None:
+        raise pytest.skip.Exception(reason) from None
+    raise exc
+
+
+# ---- MultiProcContinuousTest: one test through the class's own worker loop -----------------
+
+
+class _OneTask:
+    """The task queue the class's worker loop reads: this test, then the end."""
+
+    def __init__(self, test_id: str) -> None:
+        self._items: list[str | None] = [test_id, None]
+
+    def get(self, *args: Any, **kwargs: Any) -> str | None:
+        return self._items.pop(0)
+
+
+class _Results:
+    """The completion queue the worker loop writes to."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        self.items.append(item)
+
+
+def run_continuous_case(
+    case: Target, test_id: str, rdvz_file: str, world_size: int, *, rank: int
+) -> None:
+    """Run one test through the class's ``_worker_loop``, as the base's per-rank process does.
+
+    The loop sets the class's group up from `rdvz_file` (its own ``_init_pg``), runs the test
+    and reports into a queue: a skip there is a skip, an error is raised again as the original
+    exception (the base wraps it in a RuntimeError whose cause it is).
+    """
+    cls = find(case)
+    results = _Results()
+    try:
+        cls._worker_loop(rank, world_size, rdvz_file, _OneTask(test_id), results)
+    finally:
+        # The base keeps the group on the class; while it does, tearing the group down
+        # leaves its connections open and peers blocked on this rank wait instead of failing.
+        cls.pg = None
+    result = results.items[0] if results.items else None
+    if isinstance(result, unittest.SkipTest):
+        raise pytest.skip.Exception(str(result) or "skipped")
+    if isinstance(result, BaseException):
+        raise (result.__cause__ or result) from None
+
+
+# ---- harness.spawn and rank_pool ------------------------------------------------------------
+
+
+def run_spawned(fn: Target, args: tuple[Any, ...], *, rank: int) -> Any:
+    """``fn(rank, *args)``, as torch.multiprocessing.spawn calls it in each process."""
+    function: Callable[..., Any] = find(fn)
+    return function(rank, *args)
+
+
+def run_pooled(
+    fn: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *, rank: int, world_size: int
+) -> Any:
+    """``fn(rank, world_size, *args, **kwargs)`` in the run's process group."""
+    function: Callable[..., Any] = find(fn)
+    return function(rank, world_size, *args, **kwargs)

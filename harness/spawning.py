@@ -1,0 +1,254 @@
+"""Drop-ins for the two other common launchers: ``torch.multiprocessing.spawn`` and a
+hand-written pool of processes that keeps one group.
+
+``harness.spawn(fn, args, nprocs)`` runs ``fn(i, *args)`` on warm ranks with no group set up
+(``fn`` sets its own, as under spawn), bounded by the harness's timeout, and raises torch's own
+exception types (subclasses carrying the harness's report), root cause first. The
+``rank_pool`` fixture (or :class:`RankPool`) calls ``fn(rank, world_size, *args, **kwargs)``
+on every rank, inside a process group the harness sets up for that call; a failure raises the
+report and the next call gets a working group on healthy ranks.
+
+Both run from the pytest process of the current session (any test, marked or not). This
+module is also a pytest plugin: it follows the session and the running test, and provides the
+fixture. Imports no torch until a run raises torch's exception types.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from harness import adopt_rank, rank_warnings, runner
+from harness.errors import SpecError
+from harness.outcome import Ending, RankOutcome, diagnose, failure_text, signal_name
+from harness.protocol import RankSpec, Target, encode_args
+from harness.settings import settings_of, timeout_for
+
+# What a spawned or pooled rank is checked for afterwards: threads and processes that would
+# meet the next run. A group or environment left behind is reset by the worker, as process
+# exit resets them under spawn.
+RUN_HYGIENE = frozenset({"threads", "processes"})
+
+_configs: list[pytest.Config] = []
+_items: list[pytest.Item] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _configs.append(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config in _configs:
+        _configs.remove(config)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    _items.append(item)
+    try:
+        return (yield)
+    finally:
+        _items.remove(item)
+
+
+def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
+    if not _configs:
+        raise RuntimeError(
+            f"{caller} runs ranks from a pytest session with the harness loaded, and none is "
+            f"running in this process (inside a rank, call torch.multiprocessing.spawn or the "
+            f"function itself; outside pytest, use torch.multiprocessing.spawn)"
+        )
+    config = _configs[-1]
+    item = _items[-1] if _items and _items[-1].config is config else None
+    return config, item
+
+
+def _target(fn: Callable[..., Any], caller: str) -> Target:
+    try:
+        return runner.function_target(fn)
+    except SpecError:
+        raise ValueError(
+            f"{caller} needs a function defined at the top level of a module (each rank finds "
+            f"it by name, as spawn pickles it by name), not {fn!r}; move it to module level"
+        ) from None
+
+
+# ---- harness.spawn ----------------------------------------------------------------------------
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+    *,
+    timeout: float | None = None,
+) -> SpawnContext | None:
+    """Run ``fn(i, *args)`` for ``i`` in ``range(nprocs)`` on warm ranks, like torch's spawn.
+
+    No process group is set up: ``fn`` sets its own (MASTER_ADDR/MASTER_PORT, a FileStore...).
+    Every rank must return: an exception raises a ``ProcessRaisedException`` subclass, and an
+    exit (``sys.exit`` included, even with 0), a signal or a hang past ``timeout`` (the
+    harness's precedence, 60 s by default) raises a ``ProcessExitedException`` subclass; the
+    message opens with the root-cause rank, as torch's does, followed by the harness's report.
+    ``daemon`` and ``start_method`` are accepted for compatibility: ranks are warm
+    processes of the harness's start method. With ``join=False`` the run goes on in the
+    background and the returned context's ``join()`` waits for it.
+    """
+    config, item = _session("harness.spawn")
+    settings = settings_of(config)
+    spec = RankSpec(
+        world_size=_nprocs(nprocs),
+        timeout_s=timeout_for(settings, timeout, "harness.spawn(timeout=...)", item),
+        backend=settings.backend,
+        start_method=settings.start_method,
+        bare=True,
+        hygiene=RUN_HYGIENE,
+        warning_filters=rank_warnings.filters_for(config, item),
+    )
+    blob = encode_args((_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
+    target = runner.function_target(adopt_rank.run_spawned)
+    context = SpawnContext(lambda: runner.run(config, spec, target, blob))
+    if not join:
+        return context
+    context.join()
+    return None
+
+
+def _nprocs(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"harness.spawn(nprocs={value!r}): use an int >= 1")
+    return value
+
+
+class SpawnContext:
+    """A started :func:`spawn` run, joined like torch's ``ProcessContext``."""
+
+    def __init__(self, run: Callable[[], list[RankOutcome]]) -> None:
+        self.outcomes: list[RankOutcome] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), name="harness-spawn")
+        self._thread.start()
+
+    def _run(self, run: Callable[[], list[RankOutcome]]) -> None:
+        try:
+            self.outcomes = run()
+        except BaseException as exc:  # handed to join(), in the caller's thread
+            self._error = exc
+
+    def pids(self) -> list[int]:
+        """The rank processes that ran ``fn`` (known once the run has ended)."""
+        return [o.pid for o in self.outcomes]
+
+    def join(self, timeout: float | None = None) -> bool:
+        """True when every rank returned; False while the run goes on; raises for a failure."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        if self._error is not None:
+            raise self._error
+        rank_warnings.reemit(self.outcomes)
+        raise_for(self.outcomes)
+        return True
+
+
+def raise_for(outcomes: list[RankOutcome]) -> None:
+    """Raise torch's exception type for the root-cause rank, with the whole report after it."""
+    report = failure_text(outcomes)
+    if report is None:
+        return
+    if all(o.ending is Ending.SKIPPED for o in outcomes):
+        raise pytest.skip.Exception(outcomes[0].message)
+    failed = [o.rank for o in outcomes if not o.ok]
+    root = diagnose(outcomes, failed).root
+    culprit = next(o for o in outcomes if o.rank == (failed[0] if root is None else root))
+    raise _exception_for(culprit, report, outcomes)
+
+
+def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome]) -> Exception:
+    from harness.spawn_errors import RankExited, RankRaised
+
+    index, pid = culprit.rank, culprit.pid
+    error: RankRaised | RankExited
+    if culprit.ending is Ending.RAISED:
+        message = f"\n\n-- Process {index:d} terminated with the following error:\n"
+        error = RankRaised(f"{message}{culprit.traceback}\n{report}", index, pid)
+    elif culprit.ending is Ending.SIGNALLED:
+        name = signal_name(culprit.signal)
+        first = f"process {index:d} terminated with signal {name}"
+        error = RankExited(f"{first}\n{report}", index, pid, -(culprit.signal or 0), name)
+    elif culprit.ending is Ending.HUNG:
+        first = f"process {index:d} hung past the harness's timeout and was killed (SIGKILL)"
+        error = RankExited(f"{first}\n{report}", index, pid, -9, "SIGKILL")
+    else:  # exited: sys.exit, os._exit, or a skip on some ranks only
+        code = culprit.exit_code if culprit.exit_code is not None else 1
+        first = f"process {index:d} terminated with exit code {code:d}"
+        error = RankExited(f"{first}\n{report}", index, pid, code)
+    error.report, error.outcomes = report, outcomes
+    return error
+
+
+# ---- a kept pool of ranks ---------------------------------------------------------------------
+
+
+class RankPoolError(AssertionError):
+    """A :meth:`RankPool.run` call failed on some rank; the message is the harness's report."""
+
+    def __init__(self, report: str, outcomes: list[RankOutcome]) -> None:
+        super().__init__(report)
+        self.outcomes = outcomes
+
+
+class RankPool:
+    """Warm ranks that each call of :meth:`run` uses with a working process group.
+
+    The replacement for a hand-written session pool of N processes: the rank processes stay
+    (module state persists between calls), each call gets a fresh group (a few ms), and a call
+    that fails or hangs raises the report while the next call finds healthy ranks and a
+    working group: a dead or hung rank is replaced first.
+    """
+
+    def __init__(
+        self, config: pytest.Config, world_size: int | None = None, timeout: float | None = None
+    ) -> None:
+        settings = settings_of(config)
+        self._config = config
+        self.world_size = settings.ranks if world_size is None else _nprocs(world_size)
+        self._spec = RankSpec(
+            world_size=self.world_size,
+            timeout_s=timeout_for(settings, timeout, "RankPool(timeout=...)"),
+            backend=settings.backend,
+            start_method=settings.start_method,
+            hygiene=RUN_HYGIENE,
+            warning_filters=rank_warnings.filters_for(config, None),
+        )
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(rank, world_size, *args, **kwargs)`` on every rank; each rank's value, in order.
+
+        Raises :class:`RankPoolError` (an AssertionError) with the report, root cause first,
+        when any rank raised, exited, died or hung.
+        """
+        blob = encode_args(
+            (_target(fn, "rank_pool.run"), args, kwargs), {"rank": None, "world_size": None}
+        )
+        target = runner.function_target(adopt_rank.run_pooled)
+        outcomes = runner.run(self._config, self._spec, target, blob)
+        rank_warnings.reemit(outcomes)
+        report = failure_text(outcomes)
+        if report is not None:
+            raise RankPoolError(report, outcomes)
+        return [o.value for o in outcomes]
+
+
+@pytest.fixture(scope="session")
+def rank_pool(pytestconfig: pytest.Config) -> RankPool:
+    """A pool of --ranks warm ranks: ``rank_pool.run(fn, *args)`` calls
+    ``fn(rank, world_size, *args)`` on each inside a process group, and returns their values.
+    """
+    return RankPool(pytestconfig)

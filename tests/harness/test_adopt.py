@@ -1,0 +1,437 @@
+"""Existing suites on warm ranks: torch's MultiProcessTestCase family adopted with
+--rank-adopt torch, harness.spawn in place of torch.multiprocessing.spawn, and rank_pool in
+place of a hand-written pool of processes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+# Loaded once here: in-process pytester runs restore sys.modules, and torch's test utilities
+# are slow to import and set process-wide state when they load. Without hypothesis installed
+# they warn (ImportWarning) on import; that is theirs, not ours.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ImportWarning)
+    import torch.testing._internal.common_distributed  # noqa: F401
+
+PROCESS_BASE = """
+import os, sys, threading, unittest
+import torch, torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase, TEST_SKIPS
+
+
+class TwoRanks(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def tearDown(self):
+        super().tearDown()
+        try:
+            os.remove(self.file_name)
+        except OSError:
+            pass
+
+    def join_group(self):  # as torch's own suites do: a FileStore at self.file_name
+        store = dist.FileStore(self.file_name, self.world_size)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
+"""
+
+PROCESS_CASES = (
+    PROCESS_BASE
+    + """
+
+class TestVerdicts(TwoRanks):
+    def test_all_reduce(self):
+        self.join_group()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        self.assertEqual(t.item(), 2)
+
+    def test_assert_on_rank1(self):
+        self.join_group()
+        if self.rank == 1:
+            assert [self.rank, 2] == [1, 3]
+        dist.barrier()
+
+    def test_exit_on_rank1(self):
+        if self.rank == 1:
+            sys.exit(3)
+
+    def test_skip_status(self):
+        sys.exit(TEST_SKIPS["multi-gpu-2"].exit_code)
+
+    def test_skip_status_hard(self):
+        os._exit(TEST_SKIPS["small_worldsize"].exit_code)
+
+    def test_skip_test(self):
+        self.skipTest("no such device here")
+
+    @unittest.skip("decorated away")
+    def test_unittest_skip(self):
+        raise AssertionError("never runs")
+
+
+class TestKeepsGroup(TwoRanks):
+    @property
+    def destroy_pg_upon_exit(self):
+        return False
+
+    def test_group_left_for_the_harness(self):
+        self.join_group()
+        dist.barrier()
+
+    def test_group_made_again_on_the_same_ranks(self):
+        self.join_group()  # raises if the last test's group were still the default one
+        dist.barrier()
+
+
+class TestThreeRanks(TwoRanks):
+    @property
+    def world_size(self):
+        return 3
+
+    def test_world_size_override(self):
+        self.join_group()
+        assert dist.get_world_size() == 3
+
+
+class TestOwnEntryPoint(TwoRanks):
+    @classmethod
+    def _run(cls, rank, test_name, file_name, parent_pipe, **kwargs):
+        cls.entered_on = rank  # a subclass's per-rank entry point is the one each rank runs
+        super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
+
+    def test_entry_point_override_ran(self):
+        assert type(self).entered_on == self.rank
+
+
+class TestSetUpClass(TwoRanks):
+    classes_set_up = 0
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.classes_set_up += 1
+        os.environ["ADOPTED_SUITE_FLAG"] = "set in setUpClass"
+
+    def test_sees_the_environment(self):
+        assert os.environ["ADOPTED_SUITE_FLAG"] == "set in setUpClass"
+
+    def test_set_up_once(self):
+        assert type(self).classes_set_up == 0  # a rank's class: setUpClass ran in pytest only
+"""
+)
+
+
+def test_adopted_cases_get_strict_verdicts_and_root_cause_first(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_cases=PROCESS_CASES)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rs", "-v")
+    result.assert_outcomes(passed=7, failed=2, skipped=4)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*TestVerdicts::test_all_reduce PASSED*",
+            "*TestKeepsGroup::test_group_left_for_the_harness PASSED*",
+            "*TestKeepsGroup::test_group_made_again_on_the_same_ranks PASSED*",
+            "*TestThreeRanks::test_world_size_override PASSED*",
+            "*TestOwnEntryPoint::test_entry_point_override_ran PASSED*",
+            "*TestSetUpClass::test_sees_the_environment PASSED*",
+            "*TestSetUpClass::test_set_up_once PASSED*",
+            "rank 1 failed: raised AssertionError: assert [[]1, 2[]] == [[]1, 3[]]; rank 0 coll*",
+            "*At index 1 diff: 2 != 3*",
+            "rank 1 failed: called sys.exit(3)  [[]2 ranks, *test_exit_on_rank1[]]",
+            "SKIPPED * Need at least 2 CUDA devices",
+            "SKIPPED * Skipped due to small world size.",
+            "SKIPPED * no such device here",
+            "SKIPPED * decorated away",
+        ]
+    )
+
+
+REAL_BASES = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+from torch.testing._internal.common_distributed import DistributedTestBase
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+
+
+class TestDTensor(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_shard(self):
+        mesh = DeviceMesh(self.device_type, list(range(self.world_size)))
+        t = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        assert t.to_local().numel() == 2 and t.full_tensor().sum().item() == 6.0
+
+
+class TestDistributedBase(DistributedTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    def test_create_pg(self):
+        pg = self.create_pg("cpu")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pg)
+        assert t.item() == 2
+"""
+
+
+def test_torchs_own_subclasses_are_adopted(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_real=REAL_BASES)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*not adopted*")
+
+
+def test_without_the_option_a_rank_exit_passes_as_under_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_cases=PROCESS_CASES)
+    result = pytester.runpytest_subprocess("-p", "harness", "-k", "test_exit_on_rank1", timeout=120)
+    result.assert_outcomes(passed=1)  # the false green the adoption turns red
+
+
+def test_a_class_that_joins_its_own_way_runs_as_before_with_the_reason(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_cases=PROCESS_BASE
+        + """
+
+class TestOwnJoin(TwoRanks):
+    def _join_processes(self, fn):
+        super()._join_processes(fn)
+
+    def test_runs(self):
+        pass
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "--rank-adopt", "torch", timeout=120)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "harness: not adopted, runs as before: test_cases.TestOwnJoin: "
+            "TestOwnJoin overrides _join_processes"
+        ]
+    )
+
+
+HANGS = (
+    PROCESS_BASE
+    + """
+import time, harness, pytest
+
+
+class TestHang(TwoRanks):
+    def test_a_hang_on_rank1(self):
+        self.join_group()
+        if self.rank == 1:
+            while True:
+                time.sleep(0.05)
+        dist.barrier()
+
+    def test_b_after(self):
+        self.join_group()
+        dist.barrier()
+
+
+def stall(i):
+    while i == 0:
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_spawn_hang():
+    from torch.multiprocessing.spawn import ProcessExitedException
+    try:
+        harness.spawn(stall, nprocs=2, timeout=2)
+    except ProcessExitedException as exc:
+        assert exc.error_index == 0 and exc.signal_name == "SIGKILL", exc
+        assert "still running at the 2 s timeout; killed" in str(exc)
+    else:
+        raise AssertionError("the hang was not reported")
+"""
+)
+
+
+def test_a_hang_is_bounded_with_every_ranks_stack(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_cases=HANGS)
+    # pytest-timeout's bound becomes the harness's, and its own timer stays off.
+    result = pytester.runpytest_subprocess(
+        "-p", "harness", "--rank-adopt", "torch", "--timeout", "3", "-v", timeout=120
+    )
+    result.assert_outcomes(failed=1, passed=2)
+    result.stdout.no_fnmatch_line("*+++ Timeout +++*")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_a_hang_on_rank1 FAILED*",
+            "*test_b_after PASSED*",
+            "rank 1 failed: hung outside any collective; rank 0 collateral*",
+            "still running at the 3 s timeout; killed",
+            "-- Python stacks at the deadline --",
+            '*File "*test_cases.py", line * in test_a_hang_on_rank1',
+            "*rank 0 (pid *): hung in barrier [[]collateral[]]*",
+        ]
+    )
+
+
+CONTINUOUS_CASES = """
+import os, torch, torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcContinuousTest, TEST_SKIPS
+
+
+class TestContinuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        os.environ["CONTINUOUS_FLAG"] = "1"
+
+    def test_a_all_reduce(self):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2 and os.environ["CONTINUOUS_FLAG"] == "1"
+
+    def test_b_assert_on_rank1(self):
+        if self.rank == 1:
+            assert self.rank == 0, "rank 1 disagrees"
+        dist.barrier()
+
+    def test_c_after_a_failure(self):
+        dist.barrier()
+
+    def test_d_skip_status(self):
+        raise SystemExit(TEST_SKIPS["no_cuda"].exit_code)
+"""
+
+
+def test_continuous_cases_run_one_by_one_and_a_failure_poisons_nothing(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(test_continuous=CONTINUOUS_CASES)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rs", "-v")
+    result.assert_outcomes(passed=2, failed=1, skipped=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*test_a_all_reduce PASSED*",
+            "*test_c_after_a_failure PASSED*",
+            "rank 1 failed: raised AssertionError: rank 1 disagrees; rank 0 collateral*",
+            "SKIPPED * CUDA is not available.",
+        ]
+    )
+
+
+SPAWN_AND_POOL = """
+import os, sys, pytest, torch, torch.distributed as dist
+import harness
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+
+def all_reduce_ones(i, path, world_size):
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group("gloo", store=store, rank=i, world_size=world_size)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+    dist.destroy_process_group()
+
+
+def raises_on_rank1(i):
+    if i == 1:
+        raise ValueError(f"rank {i} refuses")
+
+
+def exits_on_rank1(i):
+    if i == 1:
+        sys.exit(3)
+
+
+def test_spawn_runs_fn_on_each_index(tmp_path):
+    assert harness.spawn(all_reduce_ones, args=(str(tmp_path / "store"), 2), nprocs=2) is None
+
+
+def test_spawn_raises_torchs_type_for_an_exception():
+    with pytest.raises(ProcessRaisedException, match="ValueError: rank 1 refuses") as info:
+        harness.spawn(raises_on_rank1, nprocs=2)
+    assert info.value.error_index == 1
+    assert "-- Process 1 terminated with the following error:" in str(info.value)
+    assert "rank 1 failed: raised ValueError: rank 1 refuses" in info.value.report
+
+
+def test_spawn_raises_torchs_type_for_an_exit():
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with exit code 3"):
+        harness.spawn(exits_on_rank1, nprocs=2)
+
+
+def test_spawn_without_join_returns_a_context(tmp_path):
+    context = harness.spawn(all_reduce_ones, args=(str(tmp_path / "s"), 2), nprocs=2, join=False)
+    assert context.join(timeout=60) is True
+    assert len(context.pids()) == 2
+
+
+def summed(rank, world_size, offset):
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def fails_on_rank0(rank, world_size):
+    if rank == 0:
+        raise KeyError("rank 0 broke")
+    dist.barrier()
+
+
+def dies_on_rank1(rank, world_size):
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_pool_runs_fn_with_rank_and_world_size(rank_pool):
+    assert rank_pool.world_size == 2
+    assert rank_pool.run(summed, 1) == [3.0, 3.0]
+
+
+def test_pool_failure_raises_the_report_and_the_next_run_works(rank_pool):
+    with pytest.raises(harness.RankPoolError, match="rank 0 failed: raised KeyError"):
+        rank_pool.run(fails_on_rank0)
+    with pytest.raises(harness.RankPoolError, match="rank 1 failed: process exited with status 7"):
+        rank_pool.run(dies_on_rank1)
+    assert rank_pool.run(summed, offset=2) == [5.0, 5.0]
+"""
+
+
+def test_spawn_and_pool_keep_their_callers_assertions(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_launchers=SPAWN_AND_POOL)
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=6)
+
+
+def test_spawn_says_what_to_do_outside_a_session() -> None:
+    from harness.spawning import _configs
+
+    saved = list(_configs)
+    _configs.clear()
+    try:
+        with pytest.raises(RuntimeError, match="runs ranks from a pytest session"):
+            __import__("harness").spawn(print, nprocs=2)
+    finally:
+        _configs.extend(saved)
+
+
+def test_a_bad_adopt_value_names_its_source(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("-p", "harness", "--rank-adopt", "unittest")
+    result.stderr.fnmatch_lines(["*invalid rank_adopt 'unittest' from --rank-adopt*use torch*"])
