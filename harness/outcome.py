@@ -78,6 +78,7 @@ class RankOutcome:
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
     origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
+    kept_group: str | None = None  # the group this rank kept for the next test, if any
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 

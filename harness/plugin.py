@@ -20,9 +20,10 @@ _spec_key = pytest.StashKey[RankSpec]()
 _spec_error_key = pytest.StashKey[str]()
 
 MARKERS = (
-    "ranks(*sizes, timeout=None, launch=False, backend=None): run the test body on every rank "
-    "of a world of each size (default --ranks); launch=True gives torchrun's environment and no "
-    "process group; timeout in seconds overrides --rank-timeout",
+    "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False): run the test "
+    "body on every rank of a world of each size (default --ranks); launch=True gives torchrun's "
+    "environment and no process group; timeout in seconds overrides --rank-timeout; "
+    "fresh_group=True never runs on a group kept from an earlier test",
     "gpu: needs CUDA GPUs (one per rank); skipped where there are too few",
     "fault(rank=1, kind='raise', at='start', nth=1, exc=None, code=1, signal='SIGKILL', "
     "seconds=1.0): inject a fault on a rank of a ranks test (repeatable; or Fault objects)",
@@ -40,6 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             f"--{name.replace('_', '-')}", dest=name, default=None, metavar=metavar, help=help_text
         )
         parser.addini(name, help_text, default=None)
+    fresh = "set every rank test's group up afresh (default: reuse the last clean test's group)"
+    group.addoption("--rank-fresh-group", action="store_true", dest="rank_fresh_group", help=fresh)
+    parser.addini("rank_fresh_group", fresh, type="bool", default=False)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-timeout has read its own settings

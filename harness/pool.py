@@ -370,6 +370,8 @@ class Pools:
 
     def __init__(self) -> None:
         self._pools: dict[PoolKey, Pool] = {}
+        # Per pool, the group every rank kept after the last run, and that run's timeout.
+        self._kept: dict[PoolKey, tuple[str, float]] = {}
         self._store: Any = None
         self._serial = itertools.count(1)
         self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
@@ -386,6 +388,7 @@ class Pools:
     def get(self, key: PoolKey) -> Pool:
         pool = self._pools.get(key)
         if pool is None or pool.broken or not all(s.process.is_alive() for s in pool.slots):
+            self._kept.pop(key, None)  # new ranks hold no group
             if pool is not None:
                 pool.close()
             pool = Pool(key, self._workdir)
@@ -394,7 +397,8 @@ class Pools:
         return pool
 
     def run(self, request: RunRequest) -> list[RankOutcome]:
-        """Run `request` on a warm pool for its spec, each run in a fresh process group.
+        """Run `request` on a warm pool for its spec: on the group the last clean run kept
+        (gloo; same world and timeout), else on a fresh one.
 
         A set-up that failed on every rank (the body never ran) is tried again with a fresh
         group, up to SET_UP_ATTEMPTS times within the run's own bound.
@@ -413,7 +417,13 @@ class Pools:
         return outcomes
 
     def _run_once(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
-        pool = self.get(PoolKey.of(request.spec))
+        key = PoolKey.of(request.spec)
+        pool = self.get(key)
+        kept = self._kept.pop(key, None)  # a group is reused once, then kept again or not
+        spec = request.spec
+        reuse = (
+            kept[0] if kept is not None and spec.keeps_group and kept[1] == spec.timeout_s else None
+        )
         serial = next(self._serial)
         launch_store = self._launch_store() if request.spec.launch else None
         tasks = [
@@ -429,6 +439,8 @@ class Pools:
                 launch_port=launch_store.port if launch_store is not None else None,
                 attempt=serial,
                 setup_attempt=setup_attempt,
+                reuse_group=reuse,
+                keep_group=spec.keeps_group,
                 sys_path=list(sys.path),
                 cwd=os.getcwd(),
                 env=dict(os.environ),
@@ -436,9 +448,13 @@ class Pools:
             for rank in range(request.spec.world_size)
         ]
         try:
-            return pool.run(tasks, request.live)
+            outcomes = pool.run(tasks, request.live)
         finally:
             del launch_store  # torchrun's agent store lives for the run only
+        kept_ids = {o.kept_group for o in outcomes}
+        if len(kept_ids) == 1 and None not in kept_ids and not pool.broken:
+            self._kept[key] = (kept_ids.pop() or "", spec.timeout_s)  # every rank kept it
+        return outcomes
 
     def _launch_store(self) -> Any:
         """A store for one launch-mode run, as torchrun's agent hosts one: bound to port 0."""

@@ -123,6 +123,12 @@ class RankSpec:
     hygiene: frozenset[str] = frozenset(CHECKS)  # the leftover checks to make after the body
     warning_filters: WarningFilters = WarningFilters()
     threads: int | None = None  # torch intra-op threads per rank; None: torch's own
+    fresh_group: bool = False  # never run on a group kept from an earlier test
+
+    @property
+    def keeps_group(self) -> bool:
+        """Whether a clean run may leave its group for the next test (gloo, a harness group)."""
+        return self.backend == "gloo" and not (self.fresh_group or self.launch or self.bare)
 
     def faults_on(self, rank: int) -> tuple[Fault, ...]:
         return tuple(f for f in self.faults if rank in f.ranks(self.world_size))
@@ -143,6 +149,8 @@ class RunTask:
     launch_port: int | None = None  # launch mode: torchrun's env, rendezvous on this store
     attempt: int = 0  # launch mode: torchrun's restart count, distinct per run
     setup_attempt: int = 1  # the set-up is retried (fresh store prefix) when it fails
+    reuse_group: str | None = None  # run on the group kept under this id (every rank has it)
+    keep_group: bool = False  # the rank may keep its group after a clean run (kept_group)
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
     env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time

@@ -24,7 +24,7 @@ from harness.protocol import BACKENDS, START_METHODS, Backend, RankSpec, StartMe
 DEFAULT_RANKS = 2
 DEFAULT_TIMEOUT_S = 60.0
 WORLD_PARAM = "_harness_world_size"
-RANKS_OPTIONS = ("timeout", "launch", "backend")
+RANKS_OPTIONS = ("timeout", "launch", "backend", "fresh_group")
 # Markers that only mean something on a ranks test.
 RANK_TEST_MARKERS = ("fault", "expect", "allow_leftovers")
 
@@ -55,6 +55,7 @@ class Settings:
     start_method: StartMethod = "forkserver"
     backend: Backend = "gloo"
     rank_threads: int | None = None  # --rank-threads or the ini key
+    fresh_group: bool = False  # --rank-fresh-group: no test runs on a group kept from another
     adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
 
     def threads_for(self, world_size: int) -> int | None:
@@ -90,6 +91,8 @@ def configure(config: pytest.Config) -> Settings:
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
             backend=_from_option(config, "rank_backend", "gloo", _backend),
             rank_threads=_from_option(config, "rank_threads", None, _threads),
+            fresh_group=bool(config.getoption("rank_fresh_group", False))
+            or bool(config.getini("rank_fresh_group")),
             adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
         )
     except SpecError as exc:
@@ -177,6 +180,13 @@ def _launch(value: Any, origin: str) -> bool:
     return value
 
 
+def _flag(name: str, mark: pytest.Mark, origin: str) -> bool:
+    value = mark.kwargs.get(name, False)
+    if not isinstance(value, bool):
+        raise SpecError(invalid(name, value, origin, "use True or False"))
+    return value
+
+
 # ---- the one timeout precedence -----------------------------------------------------------
 
 
@@ -220,7 +230,12 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
     unknown = set(mark.kwargs) - set(RANKS_OPTIONS)
     if unknown:
         raise SpecError(
-            invalid("option(s)", sorted(unknown), origin, "use timeout=, launch= or backend=")
+            invalid(
+                "option(s)",
+                sorted(unknown),
+                origin,
+                "use timeout=, launch=, backend= or fresh_group=",
+            )
         )
     world_size = _world_size_of(item, mark, settings)
     backend = mark.kwargs.get("backend")
@@ -230,6 +245,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         backend=settings.backend if backend is None else _backend(backend, origin),
         start_method=settings.start_method,
         launch=_launch(mark.kwargs.get("launch", False), origin),
+        fresh_group=settings.fresh_group or _flag("fresh_group", mark, origin),
         faults=_marked_faults(item, world_size),
         expected=_marked_expectations(item, world_size),
         hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
@@ -315,4 +331,5 @@ def spec_for_call(
         faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
         warning_filters=rank_warnings.filters_for(config, node),
         threads=settings.threads_for(size),
+        fresh_group=settings.fresh_group,
     )

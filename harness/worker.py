@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import hygiene, rank_state, rank_warnings, reaper
+from harness import hygiene, kept_group, rank_state, rank_warnings, reaper
 from harness.faults import Injector, rankwise_points
 from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
@@ -162,6 +162,7 @@ def _serve(task: RunTask) -> RankOutcome:
     """Run one task on this rank and say how it ended; never raises."""
     saved_env = dict(os.environ)
     cuda_device = rank_state.cuda_device()
+    kept: str | None = None
     try:
         _enter_test_context(task)
         before = hygiene.snapshot()
@@ -175,13 +176,16 @@ def _serve(task: RunTask) -> RankOutcome:
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
+        if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
+            kept = outcome.kept_group = kept_group.keep(task.spec.timeout_s)
         return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")
         outcome.setup_failed = isinstance(exc, _SetUpFailed)
         return outcome
     finally:
-        _teardown_group()
+        if kept is None:
+            _teardown_group()
         os.environ.clear()
         os.environ.update(saved_env)
         _restore(cuda_device)
@@ -212,6 +216,9 @@ def _enter_test_context(task: RunTask) -> None:
         torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(task.device))
+    reuse = kept_group.reusable(task.reuse_group)
+    if not reuse:
+        _teardown_group()  # a kept group this test does not run on
     if task.launch_port is not None:
         os.environ.update(_launch_env(task))
         return
@@ -222,9 +229,15 @@ def _enter_test_context(task: RunTask) -> None:
     )
     error = ""
     try:
-        _init_group(task, store)
+        if reuse:
+            kept_group.reuse()
+        else:
+            _init_group(task, store)
+            kept_group.made(task.store_prefix)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
+    if task.reuse_group is not None and not reuse and not error:
+        error = "the kept process group is gone on this rank"  # the others retry fresh too
     _agree_on_set_up(task, store, error)
 
 
@@ -301,6 +314,7 @@ def _launch_env(task: RunTask) -> dict[str, str]:
 
 
 def _teardown_group() -> None:
+    kept_group.forget()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
