@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
 # Long-lived helpers a process keeps for itself: not a test's leftovers, and killing them
@@ -38,15 +39,34 @@ def become_subreaper() -> bool:
 
 def descendants(root: int) -> list[int]:
     """Every live (not zombie) process below `root`, parents before their children."""
+    children_of = _children_reader()
+    found: list[int] = []
+    queue = children_of(root)
+    while queue:
+        pid = queue.pop(0)
+        if _running(pid):
+            found.append(pid)
+        queue += children_of(pid)
+    return found
+
+
+def _children_reader() -> Callable[[int], list[int]]:
+    """How to list a process's children: the kernel's per-thread lists where it has them
+    (microseconds), else one scan of every process's parent."""
+    if os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        return _children_from_proc
     children: dict[int, list[int]] = {}
     for pid, ppid in _parents().items():
         children.setdefault(ppid, []).append(pid)
+    return lambda pid: list(children.get(pid, []))
+
+
+def _children_from_proc(pid: int) -> list[int]:
     found: list[int] = []
-    queue = list(children.get(root, []))
-    while queue:
-        pid = queue.pop(0)
-        found.append(pid)
-        queue += children.get(pid, [])
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(child) for child in f.read().split()]
     return found
 
 
