@@ -208,9 +208,9 @@ class RankPool:
     """Warm ranks that each call of :meth:`run` uses with a working process group.
 
     The replacement for a hand-written session pool of N processes: the rank processes stay
-    (module state persists between calls), each call gets a fresh group (a few ms), and a call
-    that fails or hangs raises the report while the next call finds healthy ranks and a
-    working group: a dead or hung rank is replaced first.
+    (module state persists between calls) and so does the group after a clean call (gloo);
+    a call that fails or hangs raises the report while the next call finds healthy ranks and
+    a fresh, working group: a dead or hung rank is replaced first.
     """
 
     def __init__(
