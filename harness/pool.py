@@ -29,6 +29,7 @@ from harness import reaper
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
     Backend,
+    DropGroup,
     Kind,
     Message,
     RankFiles,
@@ -148,6 +149,9 @@ def tail(path: Path) -> str:
 
 
 LIVE_POLL_S = 0.1
+# A rank that returned keeps its group only if every peer returns within this long too (or
+# none failed); otherwise it drops it, so peers blocked on it fail at once.
+KEEP_WAIT_S = 0.25
 
 
 class LiveOutput:
@@ -277,8 +281,9 @@ class _Run:
             if remaining <= 0:
                 self._handle_hang()
                 break
-            self._wait_once(min(remaining, LIVE_POLL_S) if self._live.enabled else remaining)
+            self._wait_once(min(remaining, self._poll_s()))
             self._live.drain()
+            self._drop_kept_groups_if_peers_lag()
         self._live.drain()
         for slot in self.slots:
             self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
@@ -290,6 +295,27 @@ class _Run:
         if suspect:
             self.pool.close()  # the next test gets a fresh pool, never a suspect rank
         return [self.outcomes[slot.rank] for slot in self.slots]
+
+    def _poll_s(self) -> float:
+        """How long one wait may block: short while output streams live or groups are kept."""
+        kept = any(o.kept_group for o in self.outcomes.values())
+        return LIVE_POLL_S if self._live.enabled or kept else float("inf")
+
+    def _drop_kept_groups_if_peers_lag(self) -> None:
+        """Returned ranks give their kept group up once a peer failed, or is still running
+        KEEP_WAIT_S after the first return: a peer waiting on them in a collective then
+        fails at once, as it would had they torn their group down (and no group is kept)."""
+        kept = [o for o in self.outcomes.values() if o.kept_group]
+        if not kept or len(self.outcomes) == len(self.slots):
+            return
+        first_return = min(o.at for o in kept)
+        if self.first_failure_at is None and time.monotonic() - first_return < KEEP_WAIT_S:
+            return
+        for outcome in kept:
+            outcome.kept_group = None
+            slot = next(s for s in self.slots if s.rank == outcome.rank)
+            with contextlib.suppress(OSError):
+                slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
 
     def _pending(self) -> list[_Slot]:
         return [s for s in self.slots if s.rank not in self.outcomes]

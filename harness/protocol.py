@@ -58,6 +58,7 @@ class Kind(enum.Enum):
     READY = "ready"  # worker -> pytest, once, when the rank can take work
     RUN = "run"  # pytest -> worker: run one test (or function) on this rank
     RESULT = "result"  # worker -> pytest: how the rank ended that run
+    DROP_GROUP = "drop_group"  # pytest -> worker: tear the group kept after that run down
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,16 @@ class RunTask:
         return self.spec.faults_on(self.rank)
 
 
+@dataclass(frozen=True)
+class DropGroup:
+    key: str  # the run whose kept group to drop (a later run's group is never dropped)
+
+
 PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.READY: Ready,
     Kind.RUN: RunTask,
     Kind.RESULT: RankOutcome,
+    Kind.DROP_GROUP: DropGroup,
 }
 
 

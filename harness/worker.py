@@ -83,6 +83,10 @@ def main(conn: Any, files: RankFiles) -> None:
             message = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the pytest process is gone
+        if message.kind is Kind.DROP_GROUP:
+            if kept_group.kept_after(message.payload.key):
+                _teardown_group()  # peers still waiting on this rank fail now
+            continue
         for fd in capture_fds:
             os.ftruncate(fd, 0)
         outcome = _serve(message.payload)
@@ -177,7 +181,7 @@ def _serve(task: RunTask) -> RankOutcome:
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
         if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
-            kept = outcome.kept_group = kept_group.keep(task.spec.timeout_s)
+            kept = outcome.kept_group = kept_group.keep(task.key)
         return outcome
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")

@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -55,10 +55,17 @@ def kill_quietly(pids: Iterable[int]) -> None:
 
 
 @pytest.fixture
-def inner(pytester: pytest.Pytester) -> pytest.Pytester:
-    """A pytester whose runs load the harness and never wait on a test for long."""
+def inner(pytester: pytest.Pytester) -> Iterator[pytest.Pytester]:
+    """A pytester whose runs load the harness and never wait on a test for long.
+
+    The inner runs share this process: what their parent-side code sets in the environment
+    (torch's test bases set WORLD_SIZE in setUp) is undone after the test.
+    """
     pytester.makeini("[pytest]\nrank_timeout = 30\n")
-    return pytester
+    saved = dict(os.environ)
+    yield pytester
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 # In-process pytester runs restore sys.modules afterwards; import what the inner runs load
