@@ -106,3 +106,24 @@ def test_clean(rank, i):
 """
     )
     inner.runpytest("-p", "harness", "--rank-fresh-group").assert_outcomes(passed=3)
+
+
+def test_ranks_out_of_step_after_a_clean_test_get_a_fresh_group(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+def test_a_leaves_a_send_unreceived(rank):
+    note_group()
+    if rank == 0:
+        dist.isend(torch.ones(1), dst=1)  # rank 1 never receives it
+
+@pytest.mark.ranks(2)
+def test_b_still_correct(rank):
+    note_group()
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
