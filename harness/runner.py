@@ -7,11 +7,11 @@ needs ranks.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -79,18 +79,26 @@ def test_target(item: pytest.Function) -> Target:
     qualname = item.originalname
     if item.cls is not None:
         qualname = f"{item.cls.__qualname__}.{item.originalname}"
-    modules, packages = test_modules()
+    modules, packages = test_modules(module)
     return Target(module.__name__, getattr(module, "__file__", None), qualname, modules, packages)
 
 
-def test_modules() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[str, ...]], ...]]:
+Modules = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[str, ...]], ...]]
+
+
+def test_modules(test_module: object) -> Modules:
     """The test and conftest modules loaded here, and the packages above them, so a rank can
     import them by the names pytest gave them (with --import-mode=importlib, names that are
-    not importable from sys.path)."""
+    not importable from sys.path). Computed again only when modules were imported since, or
+    for another test module (an in-process pytester run may load as many, but others)."""
+    key = (len(sys.modules), id(test_module))
+    cached = _modules_cache.get(key)
+    if cached is not None:
+        return cached
     modules = {
         name: file
         for name, module in list(sys.modules.items())
-        if (file := getattr(module, "__file__", None)) and _is_test_file(file)
+        if isinstance(file := getattr(module, "__file__", None), str) and _is_test_file(file)
     }
     packages: dict[str, tuple[str, ...]] = {}
     for name in modules:
@@ -100,7 +108,13 @@ def test_modules() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[
             paths = getattr(sys.modules.get(parent), "__path__", None)
             if paths is not None:
                 packages[parent] = tuple(str(p) for p in paths)
-    return tuple(sorted(modules.items())), tuple(sorted(packages.items()))
+    found = (tuple(sorted(modules.items())), tuple(sorted(packages.items())))
+    _modules_cache.clear()
+    _modules_cache[key] = found
+    return found
+
+
+_modules_cache: dict[tuple[int, int], Modules] = {}  # by module count and test module
 
 
 test_modules.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
@@ -419,5 +433,5 @@ def function_target(fn: Callable[..., Any]) -> Target:
 
 
 def _is_test_file(file: str) -> bool:
-    name = Path(file).name
-    return name.startswith(("test_", "conftest")) or Path(file).stem.endswith("_test")
+    name = os.path.basename(file)  # string work: called for every loaded module
+    return name.startswith(("test_", "conftest")) or name.endswith("_test.py")
