@@ -1,13 +1,18 @@
-"""The one wire format for values: torch.save bytes that must load back with weights_only.
+"""The one wire format for values: JSON for plain values, else torch.save bytes that must
+load back with weights_only.
 
-A value counts as sendable only if it loads back with ``weights_only=True`` on the rank that
-produced it, so a value the receivers could not load fails where it was made, before any rank
-waits for it. Loading never runs arbitrary code: weights_only refuses what it does not know.
+Plain values (None, bool, int, float, str, and lists and str-keyed dicts of them, exactly
+those types) travel as JSON behind a one-byte tag: no pickle and no torch.load, so small
+values cost what torch's object collectives cost. Anything else (tensors, tuples, other
+keys) is torch.save bytes and counts as sendable only if it loads back with
+``weights_only=True`` on the rank that produced it, so a value the receivers could not load
+fails where it was made, before any rank waits for it. Loading never runs arbitrary code.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import torch
@@ -22,8 +27,14 @@ class WireError(TypeError):
     """A value cannot travel between ranks in rankwise's wire format."""
 
 
+_JSON = b"J"  # torch.save's zip output starts with b"PK": the tags never collide
+_MAX_DEPTH = 32
+
+
 def encode(value: Any, what: str) -> bytes:
-    """torch.save `value` to bytes, checked to load back with weights_only=True."""
+    """`value` as bytes: JSON if plain, else torch.save checked to load with weights_only."""
+    if _plain(value, 0):
+        return _JSON + json.dumps(value, allow_nan=True, separators=(",", ":")).encode()
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
@@ -63,5 +74,21 @@ def refusal(exc: BaseException) -> str:
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:
-    """Load bytes made by `encode`: weights_only, every tensor on the CPU."""
+    """Load bytes made by `encode`: JSON, or weights_only with every tensor on the CPU."""
+    if bytes(data[:1]) == _JSON:
+        return json.loads(bytes(data[1:]))
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Whether JSON gives back exactly `value`, types included (not a tuple, not a subclass)."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return True
+    if depth >= _MAX_DEPTH:
+        return False
+    if kind is list:
+        return all(_plain(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+    return False

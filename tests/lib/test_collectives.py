@@ -365,3 +365,17 @@ def test_a_long_error_is_shortened_for_the_others(run_on_ranks: Any) -> None:
     assert out[1].message == "x" * 10_000  # its own error, whole
     assert out[0].message.startswith("all_reduce('long'): rank 1 raised ValueError: xxx")
     assert out[0].message.endswith("...") and len(out[0].message) < 4096
+
+
+def test_plain_values_travel_as_json_and_keep_their_types() -> None:
+    from rankwise import _wire
+
+    for value in (None, 3, 2.5, float("inf"), "x", True, [1, "a", None], {"step": 1, "ok": False}):
+        data = _wire.encode(value, "test")
+        assert data[:1] == b"J", value  # no torch.save, no pickle: nothing to refuse
+        decoded = _wire.decode(data)
+        assert decoded == value and type(decoded) is type(value)
+    for value in ((1, 2), {0: "int key"}, torch.ones(2), [torch.ones(1)]):
+        assert _wire.encode(value, "test")[:1] != b"J", value  # keeps its type via torch
+        decoded = _wire.decode(_wire.encode(value, "test"))
+        assert type(decoded) is type(value)
