@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from harness import adopt_rank, rank_warnings, runner
-from harness.errors import SpecError
+from harness.errors import SpecError, invalid
 from harness.outcome import Ending, RankOutcome, diagnose, failure_text, signal_name
 from harness.protocol import RankSpec, Target, encode_args
 from harness.settings import settings_of, timeout_for
@@ -120,9 +120,10 @@ def spawn(
     return None
 
 
-def _nprocs(value: Any) -> int:
+def _nprocs(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
+    """An int >= 1, strictly (as torch's spawn wants it); ValueError naming `origin`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"harness.spawn(nprocs={value!r}): use an int >= 1")
+        raise ValueError(invalid("process count", value, origin, "use an int >= 1"))
     return value
 
 
@@ -218,7 +219,11 @@ class RankPool:
     ) -> None:
         settings = settings_of(config)
         self._config = config
-        self.world_size = settings.ranks if world_size is None else _nprocs(world_size)
+        self.world_size = (
+            settings.ranks
+            if world_size is None
+            else _nprocs(world_size, "RankPool(world_size=...)")
+        )
         self._spec = RankSpec(
             world_size=self.world_size,
             timeout_s=timeout_for(settings, timeout, "RankPool(timeout=...)"),
