@@ -157,10 +157,9 @@ KEEP_WAIT_S = 0.25
 class LiveOutput:
     """Echoes new lines of each rank's output files to this process's stdout, prefixed."""
 
-    def __init__(self, ranks: list[int], slots: list[_Slot], enabled: bool) -> None:
+    def __init__(self, slots: list[_Slot], enabled: bool) -> None:
         self.enabled = enabled
-        self._files = [(r, s.files.stdout) for r, s in zip(ranks, slots, strict=True)]
-        self._files += [(r, s.files.stderr) for r, s in zip(ranks, slots, strict=True)]
+        self._files = [(s.rank, path) for s in slots for path in (s.files.stdout, s.files.stderr)]
         self._offsets = {path: 0 for _, path in self._files}
         self._partial = {path: b"" for _, path in self._files}
         self._started = False
@@ -257,7 +256,7 @@ class _Run:
         self, pool: Pool, tasks: list[RunTask], timeout_s: float, live: bool = False
     ) -> None:
         self.pool = pool
-        self._live = LiveOutput([s.rank for s in pool.slots], pool.slots, enabled=live)
+        self._live = LiveOutput(pool.slots, enabled=live)
         self.slots = list(pool.slots)
         self.tasks = tasks
         self.key = tasks[0].key

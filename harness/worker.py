@@ -509,10 +509,7 @@ class _RewritingLoader(importlib.abc.Loader):
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        source = Path(self._file).read_bytes()
-        tree = ast.parse(source, filename=self._file)
-        _rewrite_asserts(tree, source, self._file)
-        exec(compile(tree, self._file, "exec", dont_inherit=True), module.__dict__)
+        exec(_rewritten_code(self._file), module.__dict__)
 
 
 _finder = _PytestsModules()
@@ -525,10 +522,7 @@ def _load_module(name: str, file: str | None) -> types.ModuleType:
     stamp = (file, os.stat(file).st_mtime_ns)
     if _loaded.get(name) == stamp and name in sys.modules:
         return sys.modules[name]
-    source = Path(file).read_bytes()
-    tree = ast.parse(source, filename=file)
-    _rewrite_asserts(tree, source, file)
-    code = compile(tree, file, "exec", dont_inherit=True)
+    code = _rewritten_code(file)
     module = types.ModuleType(name)
     module.__file__ = file
     module.__package__ = name.rpartition(".")[0]
@@ -540,6 +534,14 @@ def _load_module(name: str, file: str | None) -> types.ModuleType:
         raise
     _loaded[name] = stamp
     return module
+
+
+def _rewritten_code(file: str) -> types.CodeType:
+    """`file` compiled as pytest compiles a test module: with its asserts rewritten."""
+    source = Path(file).read_bytes()
+    tree = ast.parse(source, filename=file)
+    _rewrite_asserts(tree, source, file)
+    return compile(tree, file, "exec", dont_inherit=True)
 
 
 def _rewrite_asserts(tree: ast.Module, source: bytes, file: str) -> None:
