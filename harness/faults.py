@@ -198,6 +198,9 @@ class Injector:
 
 
 _active: Injector | None = None
+# Told, before a fault ends this process, what the fault was: a rank torchrun launched has
+# no pool to see how it died, so it leaves word in the launch's store.
+before_fatal: Callable[[str], None] | None = None
 
 
 def fault_point(name: str) -> None:
@@ -232,6 +235,10 @@ def _fire(fault: Fault, rank: int, where: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    if fault.kind in ("hard_exit", "signal") and before_fatal is not None:
+        with contextlib.suppress(Exception):
+            what = f"os._exit({fault.code})" if fault.kind == "hard_exit" else str(fault.signal)
+            before_fatal(f"{what} at {where}, a fault injected by the harness")
     if fault.kind == "hard_exit":
         os._exit(fault.code)
     if fault.kind == "signal":

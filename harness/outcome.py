@@ -143,6 +143,8 @@ class RankOutcome:
         if self.ending is Ending.XFAILED:
             return f"xfailed: {self.message}"
         if self.ending is Ending.HARD_EXIT:
+            if self.exit_code is None:
+                return "process ended without an outcome"
             return f"process exited with status {self.exit_code}"
         if self.ending is Ending.SIGNALLED:
             return f"died of {signal_name(self.signal)}"

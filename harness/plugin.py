@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness import runner, settings
+from harness import launched_hooks, runner, settings
 from harness.errors import SpecError
 from harness.faults import Fault
 from harness.protocol import RankSpec
@@ -50,7 +50,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    settings.configure(config)
+    launch = settings.configure(config).launched
+    if launch is not None:
+        launched_hooks.configure(config, launch)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    launched_hooks.session_start(session)
 
 
 # ---- collection ----------------------------------------------------------------------------
@@ -86,13 +92,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(0), append=False)
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def pytest_collection_finish(session: pytest.Session) -> None:
+    specs = [item.stash[_spec_key] for item in session.items if _spec_key in item.stash]
+    launched_hooks.collection_finish(session, specs)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
     error = item.stash.get(_spec_error_key, None)
     if error is not None:
         pytest.fail(error, pytrace=False)  # this test's error; the others run
     spec = item.stash.get(_spec_key, None)
-    if item.get_closest_marker("gpu") is not None or (spec is not None and spec.backend == "nccl"):
+    gpu = item.get_closest_marker("gpu") is not None
+    if launched_hooks.active(item.config):
+        if spec is not None:
+            return (yield from launched_hooks.set_up(item, spec, gpu))
+        launched_hooks.plain_set_up(item)
+    if gpu or (spec is not None and spec.backend == "nccl"):
         runner.skip_without_gpus(spec.world_size if spec is not None else 1)
+    return (yield)
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -103,7 +121,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = pyfuncitem.stash.get(_spec_key, None)
     if spec is None:
         return None
-    runner.run_marked_test(pyfuncitem, spec)
+    if launched_hooks.active(pyfuncitem.config):
+        launched_hooks.run(pyfuncitem, spec)
+    else:
+        runner.run_marked_test(pyfuncitem, spec)
     return True
 
 
@@ -130,6 +151,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every pool and make sure no rank process outlived the session."""
+    launched_hooks.session_finish(session)
     left = runner.close_pools(session.config)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -137,6 +159,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    launched_hooks.terminal_summary(terminalreporter)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -170,7 +196,8 @@ def _rank_spec(request: pytest.FixtureRequest, name: str) -> RankSpec:
 def rank(request: pytest.FixtureRequest) -> Any:
     """This rank's index in the test's world (0 .. world_size-1)."""
     _rank_spec(request, "rank")
-    return _OnlyInRanks("rank")
+    here = launched_hooks.rank_here(request.config)
+    return _OnlyInRanks("rank") if here is None else here
 
 
 @pytest.fixture
@@ -181,9 +208,11 @@ def world_size(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture
 def device(request: pytest.FixtureRequest) -> Any:
-    """This rank's torch.device: cpu with gloo, cuda:<rank> with nccl."""
+    """This rank's torch.device: cpu with gloo, cuda:<rank> with nccl (cuda:<LOCAL_RANK>
+    under torchrun)."""
     _rank_spec(request, "device")
-    return _OnlyInRanks("device")
+    here = launched_hooks.device_here(request.config)
+    return _OnlyInRanks("device") if here is None else here
 
 
 @pytest.fixture
@@ -192,7 +221,13 @@ def shared_tmp_path(
 ) -> Path:
     """A temporary directory every rank of the test sees (the same path on all of them)."""
     spec = _rank_spec(request, "shared_tmp_path")
-    return tmp_path_factory.mktemp(f"shared-ranks{spec.world_size}")
+
+    def make() -> Path:
+        return tmp_path_factory.mktemp(f"shared-ranks{spec.world_size}")
+
+    if launched_hooks.active(request.config):
+        return launched_hooks.shared_path(request, make)  # rank 0's, on every rank
+    return make()
 
 
 @pytest.fixture

@@ -55,8 +55,8 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     spec = _with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
     rank_warnings.reemit(outcomes)
-    _record_leftovers(item, outcomes)
-    _attach_output(item, outcomes)
+    record_leftovers(item, outcomes)
+    attach_output(item, outcomes)
     judge(item, spec, outcomes)
 
 
@@ -223,7 +223,7 @@ def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> N
             )
 
 
-def _attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
     """Every rank's output on the report, one section per rank and stream, as pytest keeps a
     plain test's (-rP, -rA, junit xml), passing or not."""
     for o in outcomes:
@@ -232,7 +232,7 @@ def _attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
                 item.add_report_section("call", f"{stream} [rank {o.rank}]", text)
 
 
-def _record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
     lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
     if lines:
         kinds = ", ".join(
@@ -411,6 +411,12 @@ class RankRunner:
         spec = spec_for_call(
             self._config, settings, self._node, world_size, timeout, launch, backend, faults
         )
+        if settings.launched is not None and self._node is not None:
+            from harness import launched_hooks
+
+            outcomes = launched_hooks.run_call(self._config, self._node, spec, fn, args, kwargs)
+            rank_warnings.reemit(outcomes)
+            return WorldOutcome(outcomes)
         if spec.backend == "nccl":
             skip_without_gpus(spec.world_size)
         outcomes = run(self._config, spec, target, encode_args(args, kwargs))

@@ -17,8 +17,9 @@ import pytest
 
 from harness import expect as expectations
 from harness import faults as fault_specs
-from harness import hygiene, rank_warnings
+from harness import hygiene, launch_detect, rank_warnings
 from harness.errors import SpecError, invalid
+from harness.launch_detect import Launch
 from harness.protocol import BACKENDS, START_METHODS, Backend, RankSpec, StartMethod
 
 DEFAULT_RANKS = 2
@@ -57,6 +58,7 @@ class Settings:
     rank_threads: int | None = None  # --rank-threads or the ini key
     fresh_group: bool = False  # --rank-fresh-group: no test runs on a group kept from another
     adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
+    launched: Launch | None = None  # torchrun started this process as one rank of a job
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -84,21 +86,38 @@ _settings_key = pytest.StashKey[Settings]()
 def configure(config: pytest.Config) -> Settings:
     """Resolve and keep the session's settings; a bad value is a pytest.UsageError."""
     try:
+        launched = launch_detect.detect()
+    except launch_detect.LaunchError as exc:
+        raise pytest.UsageError(f"harness: {exc}") from None
+    try:
         settings = Settings(
-            ranks=_from_option(config, "ranks", DEFAULT_RANKS, _world_size),
+            ranks=_from_option(
+                config, "ranks", launched.world_size if launched else DEFAULT_RANKS, _world_size
+            ),
             rank_timeout_s=_from_option(config, "rank_timeout", None, _seconds),
             pytest_timeout_s=_pytest_timeout(config),
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
-            backend=_from_option(config, "rank_backend", "gloo", _backend),
+            backend=_from_option(config, "rank_backend", _default_backend(launched), _backend),
             rank_threads=_from_option(config, "rank_threads", None, _threads),
             fresh_group=bool(config.getoption("rank_fresh_group", False))
             or bool(config.getini("rank_fresh_group")),
             adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
+            launched=launched,
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_settings_key] = settings
     return settings
+
+
+def _default_backend(launched: Launch | None) -> Backend:
+    """gloo; under a launch, nccl where this rank has its GPU (the only place torch is
+    imported at configure time)."""
+    if launched is None:
+        return "gloo"
+    from harness.launched import auto_backend
+
+    return cast(Backend, auto_backend(launched))
 
 
 def settings_of(config: pytest.Config) -> Settings:

@@ -59,6 +59,30 @@ def trim_stack(text: str) -> str:
     return "\n".join(kept)
 
 
+def trim_in_process(text: str, caller: str, quiet: tuple[str, ...]) -> str:
+    """A dump taken inside a launched pytest process, trimmed to the test's own frames.
+
+    Frames below `caller`'s file (the harness calling the body; pytest and pluggy beneath it)
+    are dropped, and so are the dumping thread and threads idle in `quiet` files (the
+    harness's own watchers).
+    """
+    kept: list[str] = []
+    for section in re.split(r"\n(?=\S)", text.strip()):
+        header, *frames = section.splitlines()
+        if header.startswith("Current thread"):
+            continue  # the timer that took the dump
+        files = [m[1] for f in frames if (m := _FRAME.match(f))]
+        if files and all(f.endswith(quiet) or "/threading.py" in f for f in files):
+            continue
+        lines = [header]
+        for frame in frames:
+            if f'File "{caller}"' in frame:
+                break  # the harness's call of the body: what is below is pytest's
+            lines += [frame, *_source_of(frame)]
+        kept.append("\n".join(lines))
+    return "\n\n".join(kept)
+
+
 _FRAME = re.compile(r'  File "(.+)", line (\d+) in ')
 
 

@@ -17,18 +17,14 @@ import ast
 import contextlib
 import ctypes
 import faulthandler
-import gc
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import mmap
 import os
-import pickle
 import signal
 import sys
-import time
-import traceback
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import hygiene, kept_group, rank_state, rank_warnings, reaper
+from harness import endings, hygiene, kept_group, rank_state, rank_warnings, reaper
 from harness.faults import Injector, rankwise_points
-from harness.outcome import Ending, RankOutcome, exit_code
+from harness.launch_detect import IN_RANK_WORKER
+from harness.outcome import Ending, RankOutcome
 from harness.protocol import (
     DUMP_STACKS_SIGNAL,
     SIMULATED_SET_UP_FAILURES,
@@ -58,6 +55,7 @@ from harness.protocol import (
 from harness.rank_fixtures import RankFixtures
 from harness.torchrun_env import torchrun_env
 
+endings.skip_frames_of(__file__)
 _PR_SET_PDEATHSIG = 1
 # The group's own timeout stays well past the harness's deadline, so a hang is always caught
 # and reported by the harness (stacks, the collective) before gloo unwinds it.
@@ -215,6 +213,7 @@ def _enter_test_context(task: RunTask) -> None:
     if task.env:  # the ranks see the environment the test sees, as torchrun's children do
         os.environ.clear()
         os.environ.update(task.env)
+    os.environ[IN_RANK_WORKER] = "1"  # a pytest started in here is no launched rank
     spec = task.spec
     if spec.threads is not None:  # restored after the test (rank_state)
         torch.set_num_threads(spec.threads)
@@ -335,69 +334,22 @@ def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
         kwargs.update(fixtures.make(kwargs))
         injector.at_start()
         value = fn(*args, **kwargs)
-        _refuse_awaitable(value)
+        endings.refuse_awaitable(value)
         fixtures.close()  # finalizers and undoing, in the rank: an error there fails it
     except BaseException as exc:
-        outcome = _ended_by(task, exc)  # the traceback text, before its frames are cleared
+        outcome = endings.ended_by(
+            task.key, task.rank, exc
+        )  # the traceback text, before its frames are cleared
         with contextlib.suppress(BaseException):
             fixtures.close()
-        _release(exc)
+        endings.release(exc)
         del exc, args, kwargs
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
     missed = injector.unreached()
     if missed is not None:
         return _raised(task, missed)  # never raised: no traceback, the message says it all
-    return _returned(task, value)
-
-
-def _ended_by(task: RunTask, exc: BaseException) -> RankOutcome:
-    if isinstance(exc, SystemExit):
-        if not isinstance(exc.code, int | None):
-            print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
-        outcome = _ended(task, Ending.EXITED, exit_code=exit_code(exc))
-        outcome.traceback = _user_traceback(exc)  # where it was called
-    elif type(exc).__name__ in _PYTEST_OUTCOMES:
-        ending = _PYTEST_OUTCOMES[type(exc).__name__]
-        return _ended(task, ending, message=str(getattr(exc, "msg", exc)))
-    else:
-        outcome = _raised(task, exc)
-    origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
-    if isinstance(origin, int) and not isinstance(origin, bool):
-        outcome.origin_rank = origin
-    return outcome
-
-
-# pytest's outcome exceptions a test body may raise, by class name (pytest.skip, pytest.xfail).
-_PYTEST_OUTCOMES = {"Skipped": Ending.SKIPPED, "XFailed": Ending.XFAILED}
-
-
-def _refuse_awaitable(value: Any) -> None:
-    """Fail a coroutine test as pytest does without an async plugin, instead of passing it."""
-    if not (hasattr(value, "__await__") or hasattr(value, "__aiter__")):
-        return
-    with contextlib.suppress(Exception):
-        value.close()  # never awaited: no RuntimeWarning about it either
-    from _pytest.python import async_fail
-
-    async_fail("")  # raises pytest's Failed with pytest's own message
-
-
-def _release(exc: BaseException) -> None:
-    """Drop what the failed test still holds, so tearing its group down really closes it.
-
-    The traceback's frames keep the test's locals alive (a model, its FSDP mesh, and through
-    them the process group); while anything holds the group its connections stay open and
-    peers blocked on this rank would wait instead of failing.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current.__traceback__ = None
-        current = current.__cause__ or current.__context__
-    gc.collect()
+    return endings.returned(task.key, task.rank, value)
 
 
 def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -410,50 +362,8 @@ def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: make() for name, make in known.items() if name in kwargs}
 
 
-def _ended(task: RunTask, ending: Ending, **fields: Any) -> RankOutcome:
-    return RankOutcome(task.key, task.rank, os.getpid(), ending, at=time.monotonic(), **fields)
-
-
-def _returned(task: RunTask, value: Any) -> RankOutcome:
-    outcome = _ended(task, Ending.RETURNED)
-    if value is None:
-        return outcome
-    outcome.value_repr = _safe_repr(value)
-    try:
-        outcome.value_blob = pickle.dumps(value)
-    except Exception as exc:
-        outcome.notes.append(f"the return value could not be sent back: {exc!r}")
-    return outcome
-
-
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback text from the first frame that is not the worker's own."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # the report starts in the user's code, not in ours
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
 def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:
-    text = _user_traceback(exc)
-    outcome = _ended(
-        task,
-        Ending.RAISED,
-        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
-        message=str(exc),
-        traceback=text,
-    )
-    if note:
-        outcome.notes.append(note)
-    return outcome
-
-
-def _safe_repr(value: Any) -> str:
-    try:
-        return repr(value)[:500]
-    except Exception:
-        return f"<{type(value).__name__}>"
+    return endings.raised(task.key, task.rank, exc, note)
 
 
 # ---- finding the test function inside a rank ----------------------------------------------

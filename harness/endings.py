@@ -1,0 +1,119 @@
+"""How a rank's run of a test body ended, as a RankOutcome: shared by a pool's worker and by a
+process torchrun launched (which runs the body in the pytest process itself).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import sys
+import time
+import traceback
+from typing import Any
+
+from harness.outcome import Ending, RankOutcome, exit_code
+
+# pytest's outcome exceptions a test body may raise, by class name (pytest.skip, pytest.xfail).
+PYTEST_OUTCOMES = {"Skipped": Ending.SKIPPED, "XFailed": Ending.XFAILED}
+_OWN_FILES: set[str] = {__file__}
+
+
+def skip_frames_of(file: str) -> None:
+    """Start tracebacks after `file`'s frames too (the harness code that calls the body)."""
+    _OWN_FILES.add(file)
+
+
+def ended(key: str, rank: int, ending: Ending, **fields: Any) -> RankOutcome:
+    return RankOutcome(key, rank, os.getpid(), ending, at=time.monotonic(), **fields)
+
+
+def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
+    """The outcome of a body that raised `exc` (an error, sys.exit, pytest.skip or xfail)."""
+    if isinstance(exc, SystemExit):
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
+        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
+        outcome.traceback = user_traceback(exc)  # where it was called
+    elif type(exc).__name__ in PYTEST_OUTCOMES:
+        ending = PYTEST_OUTCOMES[type(exc).__name__]
+        return ended(key, rank, ending, message=str(getattr(exc, "msg", exc)))
+    else:
+        outcome = raised(key, rank, exc)
+    origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
+    if isinstance(origin, int) and not isinstance(origin, bool):
+        outcome.origin_rank = origin
+    return outcome
+
+
+def raised(key: str, rank: int, exc: BaseException, note: str = "") -> RankOutcome:
+    outcome = ended(
+        key,
+        rank,
+        Ending.RAISED,
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
+        message=str(exc),
+        traceback=user_traceback(exc),
+    )
+    if note:
+        outcome.notes.append(note)
+    return outcome
+
+
+def returned(key: str, rank: int, value: Any) -> RankOutcome:
+    outcome = ended(key, rank, Ending.RETURNED)
+    if value is None:
+        return outcome
+    outcome.value_repr = _safe_repr(value)
+    try:
+        outcome.value_blob = pickle.dumps(value)
+    except Exception as exc:
+        outcome.notes.append(f"the return value could not be sent back: {exc!r}")
+    return outcome
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback text from the first frame that is not the harness's own."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+        tb = tb.tb_next  # the report starts in the user's code, not in ours
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def refuse_awaitable(value: Any) -> None:
+    """Fail a coroutine test as pytest does without an async plugin, instead of passing it."""
+    if not (hasattr(value, "__await__") or hasattr(value, "__aiter__")):
+        return
+    with contextlib.suppress(Exception):
+        value.close()  # never awaited: no RuntimeWarning about it either
+    from _pytest.python import async_fail
+
+    async_fail("")  # raises pytest's Failed with pytest's own message
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)[:500]
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def release(exc: BaseException) -> None:
+    """Drop what the failed test still holds, so tearing its group down really closes it.
+
+    The traceback's frames keep the test's locals alive (a model, its FSDP mesh, and through
+    them the process group); while anything holds the group its connections stay open and
+    peers blocked on this rank would wait instead of failing.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    gc.collect()

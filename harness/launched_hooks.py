@@ -1,0 +1,170 @@
+"""The plugin's hooks for a session torchrun launched, each a no-op otherwise.
+
+The plugin calls these unconditionally or behind :func:`active`; the modules that import
+torch are imported here only when a launch was detected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from harness.launch_detect import Launch
+from harness.protocol import RankSpec
+from harness.settings import settings_of
+
+if TYPE_CHECKING:
+    from harness.launched import LaunchedSession
+
+
+def active(config: pytest.Config) -> bool:
+    return settings_of(config).launched is not None
+
+
+def _session(config: pytest.Config) -> LaunchedSession | None:
+    if not active(config):
+        return None
+    from harness.launched import session_of
+
+    return session_of(config)
+
+
+def configure(config: pytest.Config, launch: Launch) -> None:
+    workers = config.getoption("numprocesses", None)
+    if workers not in (None, 0, "0"):
+        raise pytest.UsageError(
+            f"harness: under torchrun every launched process is one rank (this is rank "
+            f"{launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's workers "
+            f"would each run the tests as another set of ranks"
+        )
+    from harness.launched import start
+
+    start(config, launch, settings_of(config).backend)
+
+
+def session_start(session: pytest.Session) -> None:
+    launched = _session(session.config)
+    if launched is None:
+        return
+    from harness import faults
+
+    launched.connect()
+    launched.watch.install()
+    faults.before_fatal = launched.note_death
+    launched.agree_on_backend()
+
+
+def collection_finish(session: pytest.Session, specs: Sequence[RankSpec]) -> None:
+    launched = _session(session.config)
+    if launched is None:
+        return
+    from harness.launched import GROUP_TIMEOUT_MARGIN_S
+
+    longest = max((spec.timeout_s for spec in specs), default=0.0)
+    launched.group_timeout_s = longest + GROUP_TIMEOUT_MARGIN_S
+    launched.agree_on_collection(session.items)
+
+
+def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[None, Any, Any]:
+    """The set-up of a ranks test under a launch: skip it the same way everywhere, or set it
+    up on every rank and start its body only where every rank did."""
+    launched = _session(item.config)
+    assert launched is not None
+    from harness import launched_test
+
+    launched.begin(item.nodeid)
+    reason = launched_test.skip_reason(launched, spec, gpu_marked)
+    if reason is not None:
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+    launched_test.before_set_up(item, launched, spec)
+    try:
+        result = yield
+    except BaseException as exc:
+        launched_test.agree_on_set_up(item, launched, spec, exc)
+        raise
+    launched_test.agree_on_set_up(item, launched, spec, None)
+    return result
+
+
+def plain_set_up(item: pytest.Item) -> None:
+    """A test without ranks sees no process group, as in a plain session (the next ranks
+    test sets one up again)."""
+    launched = _session(item.config)
+    if launched is not None:
+        launched.begin(item.nodeid)
+        launched.drop_group()
+
+
+def run_call(
+    config: pytest.Config,
+    node: pytest.Item,
+    spec: RankSpec,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    launched = _session(config)
+    assert launched is not None
+    from harness import launched_test
+
+    try:
+        return launched_test.run_call(launched, node, spec, fn, args, kwargs)
+    finally:
+        launched.watch.reinstall()
+
+
+def run(item: pytest.Function, spec: RankSpec) -> None:
+    launched = _session(item.config)
+    assert launched is not None
+    from harness import launched_test
+
+    try:
+        launched_test.run(item, launched, spec)
+    finally:
+        launched.watch.reinstall()  # after a test that took SIGTERM for itself
+
+
+def rank_here(config: pytest.Config) -> int | None:
+    launched = _session(config)
+    return None if launched is None else launched.rank
+
+
+def device_here(config: pytest.Config) -> Any:
+    launched = _session(config)
+    return None if launched is None else launched.device()
+
+
+def shared_path(request: pytest.FixtureRequest, make: Callable[[], Path]) -> Path:
+    """Rank 0's new directory, on every rank (shared across nodes only if the filesystem is)."""
+    launched = _session(request.config)
+    assert launched is not None
+    key = f"run{launched.runs}/shared_tmp_path"
+    if launched.rank == 0:
+        path = make()
+        launched.put(key, str(path))
+        return path
+    found = launched.get(key, launched.group_timeout_s)
+    if found is None:
+        pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
+    return Path(found.decode())
+
+
+def session_finish(session: pytest.Session) -> None:
+    launched = _session(session.config)
+    if launched is not None and launched.store is not None:
+        launched.agree_on_exit(session)
+
+
+def terminal_summary(reporter: Any) -> None:
+    launched = _session(reporter.config)
+    if launched is None or not launched.stop_reason or launched.rank != 0:
+        return
+    left = launched.not_run()
+    reporter.write_sep("=", "harness: the session ended early", red=True)
+    reporter.write_line(launched.stop_reason)
+    reporter.write_line(f"tests not run ({len(left)}):")
+    for nodeid in left:
+        reporter.write_line(f"  {nodeid}")

@@ -1,0 +1,238 @@
+"""One ranks test in a launched session: every launched process runs the body in-process,
+then every rank reads every rank's outcome and reaches the same verdict.
+
+Used only where ``launched`` detected a launch (it imports torch through it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from _pytest.outcomes import Exit
+
+from harness import endings, hygiene, rank_warnings, reaper, runner
+from harness.faults import Injector
+from harness.launched import OUTCOME_GRACE_S, LaunchedSession
+from harness.launched_watch import HangTimer, Where
+from harness.outcome import Ending, RankOutcome
+from harness.protocol import RankSpec
+
+endings.skip_frames_of(__file__)
+
+_key_key = pytest.StashKey[str]()
+_started_key = pytest.StashKey[float]()
+GROUP_DESTROYED = "the test destroyed the session's process group (set up again for the next)"
+# Endings after which the group is still good for the next test.
+_CLEAN = (Ending.RETURNED, Ending.SKIPPED, Ending.XFAILED)
+
+
+def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> str | None:
+    """Why this test cannot run in this launch (the same answer on every rank), or None."""
+    if spec.world_size != session.world_size:
+        return f"needs {spec.world_size} ranks, launched with {session.world_size}"
+    if spec.backend != session.backend:
+        return f"needs the {spec.backend} backend, launched with {session.backend}"
+    if gpu_marked and session.backend != "nccl":
+        return "needs GPUs; this launch runs on gloo (no GPU for each local rank)"
+    return None
+
+
+def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -> None:
+    """Name this test's store keys and give it its group (none for launch=True)."""
+    item.stash[_key_key] = _start_run(session, item.nodeid, spec)
+    item.stash[_started_key] = time.monotonic()
+
+
+def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec) -> str:
+    key = session.next_run()
+    if spec.launch:
+        session.drop_group()  # the test sets its own up, from torchrun's environment
+    elif not session.agree_on_group(key, spec.timeout_s):
+        raise runner.HarnessError(
+            f"harness error: not every launched rank reached the set-up of {nodeid} within "
+            f"{spec.timeout_s:g} s; the test body never ran",
+            pytrace=False,
+        )
+    return key
+
+
+def agree_on_set_up(
+    item: pytest.Item, session: LaunchedSession, spec: RankSpec, error: BaseException | None
+) -> None:
+    """Start the body only where every rank's fixtures were set up; else every rank stops.
+
+    A rank that ran the body while a peer's set-up failed would wait for it in the first
+    collective until the timeout.
+    """
+    key = item.stash[_key_key]
+    said = "" if error is None else _said(error)
+    found = session.gather(f"{key}/setup", said, spec.timeout_s)
+    by_rank = {r: (blob.decode() if blob is not None else None) for r, blob in enumerate(found)}
+    missing = [r for r, s in by_rank.items() if s is None]
+    failed = {r: s for r, s in by_rank.items() if s}
+    if error is not None:
+        return  # this rank raises its own error: its report names its own failure
+    if missing:
+        pytest.fail(
+            f"{_ranks(missing)} did not finish setting up within {spec.timeout_s:g} s; "
+            f"this rank did not run the body",
+            pytrace=False,
+        )
+    if not failed:
+        return
+    skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
+    if len(skips) == len(failed) == session.world_size:
+        pytest.skip(skips[0][len("skip:") :].strip())
+    first = min(failed)
+    pytest.fail(
+        f"rank {first}'s set-up failed ({failed[first]}); rank {session.rank} set up but did "
+        f"not run the body: every rank must set up alike",
+        pytrace=False,
+    )
+
+
+def _said(error: BaseException) -> str:
+    if type(error).__name__ == "Skipped":
+        return f"skip: {getattr(error, 'msg', error)}"
+    return f"{type(error).__name__}: {error}".strip() or type(error).__name__
+
+
+def _ranks(ranks: list[int]) -> str:
+    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def run(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> None:
+    """Run the body here, exchange outcomes, and pass, skip or fail it as every rank does."""
+    key = item.stash[_key_key]
+    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    outcomes = _run_everywhere(
+        session, key, spec, item, lambda: item.obj(**kwargs), item.stash[_started_key]
+    )
+    rank_warnings.reemit(outcomes)
+    runner.record_leftovers(item, outcomes)
+    if session.rank == 0:
+        runner.attach_output(item, outcomes)
+    runner.judge(item, spec, outcomes)
+
+
+def run_call(
+    session: LaunchedSession,
+    node: pytest.Item,
+    spec: RankSpec,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> list[RankOutcome]:
+    """run_on_ranks under a launch: `fn` on every launched rank, in-process; every rank gets
+    every rank's outcome."""
+    reason = skip_reason(session, spec, gpu_marked=False)
+    if reason is not None:
+        pytest.skip(f"run_on_ranks: {reason}")
+    started = time.monotonic()
+    key = _start_run(session, node.nodeid, spec)
+    return _run_everywhere(session, key, spec, node, lambda: fn(*args, **kwargs), started)
+
+
+def _run_everywhere(
+    session: LaunchedSession,
+    key: str,
+    spec: RankSpec,
+    node: pytest.Item,
+    call: Callable[[], Any],
+    started: float,
+) -> list[RankOutcome]:
+    outcome, group_ok = _run_here(node, session, spec, key, call)
+    if outcome.ending not in _CLEAN or not group_ok:
+        session.drop_group()  # peers blocked on this rank fail now, not at their timeout
+    if not group_ok:
+        outcome.notes.append(GROUP_DESTROYED)
+    left = spec.timeout_s - (time.monotonic() - started)
+    outcomes = session.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
+    _after(node, session, outcomes)
+    return outcomes
+
+
+def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutcome]) -> None:
+    """Drop the group on every rank when any rank's run broke it; end the session after a
+    hang or a lost rank, or when the launcher is stopping the job."""
+    if any(o.ending not in _CLEAN or GROUP_DESTROYED in o.notes for o in outcomes):
+        session.drop_group()
+    hung = [o.rank for o in outcomes if o.ending is Ending.HUNG]
+    for rank in hung:
+        session.lost.setdefault(rank, "it hung")
+    reasons = [f"rank {r}: {why}" for r, why in sorted(session.lost.items())]
+    if session.stopping:
+        reasons.append("the launcher is stopping the job")
+    if reasons:
+        session.stop(
+            f"the session ends after {item.nodeid} ({'; '.join(reasons)}): a launched rank "
+            f"cannot be replaced",
+            item.session,
+        )
+
+
+def _run_here(
+    item: pytest.Item, session: LaunchedSession, spec: RankSpec, key: str, call: Callable[[], Any]
+) -> tuple[RankOutcome, bool]:
+    before = hygiene.snapshot()
+    where = Where()
+    with (
+        HangTimer(session.watch, key, spec.timeout_s, where),
+        where.installed(),
+        rank_warnings.recording(spec.warning_filters) as log,
+        Injector(session.rank, spec.faults_on(session.rank)).installed() as injector,
+    ):
+        outcome = _body(key, session.rank, call, injector)
+    outcome.warnings = rank_warnings.collected(log)
+    outcome.stdout, outcome.stderr = _captured(item.config)
+    group_ok = spec.launch or dist.is_initialized()
+    group_left = spec.launch and dist.is_initialized()
+    if group_left:
+        session.drop_group()
+    left = reaper.leftovers(os.getpid())
+    reaper.kill(list(left))
+    before = replace(before, env=_unpatched(before.env, item))
+    outcome.leftovers = hygiene.findings(before, spec.hygiene, group_left, left)
+    return outcome, group_ok
+
+
+def _body(key: str, rank: int, call: Callable[[], Any], injector: Injector) -> RankOutcome:
+    try:
+        injector.at_start()
+        value = call()
+        endings.refuse_awaitable(value)
+    except (KeyboardInterrupt, Exit):
+        raise  # pytest's own ways to stop the session
+    except BaseException as exc:
+        outcome = endings.ended_by(key, rank, exc)
+        endings.release(exc)
+        return outcome
+    missed = injector.unreached()
+    if missed is not None:
+        return endings.raised(key, rank, missed)
+    return endings.returned(key, rank, value)
+
+
+def _captured(config: pytest.Config) -> tuple[str, str]:
+    """What the body printed, taken from pytest's capture to travel to rank 0's report."""
+    capman: Any = config.pluginmanager.getplugin("capturemanager")
+    with contextlib.suppress(Exception):
+        out, err = capman.read_global_capture()
+        return str(out), str(err)
+    return "", ""
+
+
+def _unpatched(env: dict[str, str], item: pytest.Item) -> dict[str, str]:
+    """`env` as if the test's monkeypatch had set or deleted its variables beforehand: it
+    undoes them at teardown, after this check, so they are not the test's leftovers."""
+    patch = getattr(item, "funcargs", {}).get("monkeypatch")
+    names = {name for where, name, _ in getattr(patch, "_setitem", ()) if where is os.environ}
+    env = {name: value for name, value in env.items() if name not in names}
+    return env | {name: os.environ[name] for name in names if name in os.environ}

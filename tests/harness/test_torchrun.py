@@ -1,0 +1,310 @@
+"""pytest started by torchrun: every launched process is one rank, and the session gives one
+verdict. Each test runs ``torchrun --standalone`` (gloo, CPU) over generated test files."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.launch_detect import IN_RANK_WORKER, LaunchError, detect
+from tests.harness.conftest import HEADER
+
+LAUNCH_TIMEOUT_S = 240  # torchrun starting 2-4 pytest processes that import torch, on 2 cores
+
+
+@dataclass
+class Launched:
+    returncode: int
+    output: str
+    junit: Path
+
+    @property
+    def sessions_reported(self) -> int:
+        return self.output.count("test session starts")
+
+    def exit_codes(self) -> list[int]:
+        """Every failed rank's exit code, from torchrun's summary (none when all passed)."""
+        return [int(code) for code in re.findall(r"exitcode\s+:\s*(-?\d+)", self.output)]
+
+
+def torchrun(directory: Path, nproc: int, *args: str) -> Launched:
+    junit = directory / "junit.xml"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "pytest",
+        "-p",
+        "harness",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-rA",
+        *args,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        command,
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        check=False,
+    )
+    return Launched(done.returncode, done.stdout + done.stderr, junit)
+
+
+def junit_cases(path: Path) -> dict[str, str]:
+    """Each test case's name and how it ended: passed, failed, error or skipped."""
+    cases = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        ended = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        cases[case.get("name", "")] = ended[0] if ended else "passed"
+    return cases
+
+
+def write(pytester: pytest.Pytester, **files: str) -> Path:
+    pytester.makepyfile(**{name: HEADER + source for name, source in files.items()})
+    return pytester.path
+
+
+VERDICTS = """
+@pytest.mark.ranks
+def test_passes(rank, world_size, device):
+    t = torch.ones(1) * rank
+    dist.all_reduce(t)
+    assert t.item() == sum(range(world_size)) and device.type == "cpu"
+
+@pytest.mark.ranks(2)
+def test_rank_1_fails(rank):
+    print(f"rank {rank} speaking")
+    if rank == 1:
+        assert [rank, 2] == [0, 2]
+    dist.barrier()
+
+@pytest.mark.ranks(2)
+def test_rank_1_exits(rank):
+    if rank == 1:
+        sys.exit(3)
+    dist.barrier()
+
+@pytest.mark.ranks(4)
+def test_needs_four(rank):
+    pass
+
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="raise", exc=ValueError("injected"))
+@pytest.mark.expect(rank=1, does=raises(ValueError), others=returns())
+def test_expected_fault(rank):
+    pass
+
+@pytest.mark.ranks(2)
+def test_leaves_env(rank, monkeypatch):
+    monkeypatch.setenv("PATCHED_IS_FINE", "1")
+    if rank == 1:
+        os.environ["LEFT_BEHIND"] = "1"
+
+def test_plain_sees_no_group():
+    assert not dist.is_initialized()
+
+@pytest.mark.ranks(2)
+def test_group_is_back(rank, shared_tmp_path):
+    (shared_tmp_path / str(rank)).write_text("here")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2 and len(list(shared_tmp_path.iterdir())) == 2
+
+def _value(scale):
+    return dist.get_rank() * scale
+
+def test_run_on_ranks_in_the_launch(run_on_ranks):
+    assert run_on_ranks(_value, 10, world_size=2).values == [0, 10]
+"""
+
+
+def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> None:
+    result = torchrun(write(pytester, test_verdicts=VERDICTS), 2)
+    out = result.output
+    assert result.sessions_reported == 1, out  # rank 1 is quiet
+    assert "rank 1 failed: raised AssertionError" in out and "At index 0 diff: 1 != 0" in out
+    assert "stdout [rank 1]" in out or "rank 1 captured stdout" in out, out
+    assert "rank 1 failed: called sys.exit(3)" in out
+    assert "needs 4 ranks, launched with 2" in out
+    assert "hygiene: rank 1 changed environment variables LEFT_BEHIND" in out
+    assert "PATCHED_IS_FINE" not in out.split("hygiene:")[1].splitlines()[0]
+    assert junit_cases(result.junit) == {
+        "test_passes": "passed",
+        "test_rank_1_fails[ranks2]": "failure",
+        "test_rank_1_exits[ranks2]": "failure",
+        "test_needs_four[ranks4]": "skipped",
+        "test_expected_fault[ranks2]": "passed",
+        "test_leaves_env[ranks2]": "error",
+        "test_plain_sees_no_group": "passed",
+        "test_group_is_back[ranks2]": "passed",
+        "test_run_on_ranks_in_the_launch": "passed",
+    }
+    assert result.returncode != 0
+    assert result.exit_codes() == [1, 1], out  # every process ends with the same status
+
+
+def test_four_launched_ranks_name_the_root_cause(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks(2, 4)
+def test_rank_2_fails(rank):
+    if rank == 2:
+        raise ValueError("rank two is wrong")
+    dist.barrier()
+
+@pytest.mark.ranks(4)
+def test_after(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
+"""
+    result = torchrun(write(pytester, test_four=source), 4)
+    assert "rank 2 failed: raised ValueError: rank two is wrong" in result.output
+    assert junit_cases(result.junit) == {
+        "test_rank_2_fails[ranks2]": "skipped",
+        "test_rank_2_fails[ranks4]": "failure",
+        "test_after[ranks4]": "passed",
+    }
+    assert result.exit_codes() == [1, 1, 1, 1], result.output
+
+
+def test_a_passing_launch_exits_zero_everywhere(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks
+def test_ok(rank):
+    dist.barrier()
+"""
+    result = torchrun(write(pytester, test_ok=source), 2)
+    assert result.returncode == 0, result.output
+    assert junit_cases(result.junit) == {"test_ok": "passed"}
+
+
+def test_a_hang_is_reported_with_stacks_and_ends_the_session(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks(2, timeout=3)
+def test_rank_1_hangs(rank):
+    if rank == 1:
+        threading.Event().wait()
+    dist.barrier()
+
+def test_never_runs():
+    pass
+"""
+    result = torchrun(write(pytester, test_hang=source), 2)
+    out = result.output
+    assert "rank 1 failed: hung outside any collective" in out
+    assert "threading.Event().wait()" in out  # rank 1's stack, from the test's frame
+    assert "hung in barrier [collateral]" in out
+    assert "tests not run (1):" in out and "test_hang.py::test_never_runs" in out
+    assert junit_cases(result.junit) == {"test_rank_1_hangs[ranks2]": "failure"}
+    assert result.exit_codes() == [1, 1], out
+
+
+def test_a_dead_rank_is_named_with_its_cause(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="signal", signal="SIGKILL")
+def test_rank_1_dies(rank):
+    dist.barrier()
+
+def test_never_runs():
+    pass
+"""
+    result = torchrun(write(pytester, test_dies=source), 2)
+    out = result.output
+    assert "rank 1 failed: process ended without an outcome" in out
+    assert "it died: SIGKILL at start, a fault injected by the harness" in out
+    assert "test_dies.py::test_never_runs" in out.split("tests not run")[1]
+    assert junit_cases(result.junit) == {"test_rank_1_dies[ranks2]": "failure"}
+    assert sorted(result.exit_codes()) == [-9, 1], out  # rank 0 ends as the session says
+
+
+def test_ranks_that_collect_different_tests_stop_at_the_start(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.parametrize("i", range(3 if os.environ["RANK"] == "1" else 2))
+def test_depends_on_the_node(i):
+    pass
+"""
+    result = torchrun(write(pytester, test_collect=source), 2)
+    out = result.output
+    assert "the launched ranks collected different tests" in out
+    named = "test_collect.py::test_depends_on_the_node[2]"
+    assert f"rank 1 collected 1 test(s) rank 0 did not ({named})" in out
+    assert result.exit_codes() == [2, 2], out
+
+
+# ---- detection, in this process -----------------------------------------------------------
+
+TORCHRUN = {
+    "WORLD_SIZE": "4",
+    "RANK": "2",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "job7",
+    "TORCHELASTIC_RESTART_COUNT": "1",
+}
+
+
+def test_a_launch_is_detected_from_torchruns_environment() -> None:
+    launch = detect(TORCHRUN)
+    assert launch is not None
+    assert (launch.world_size, launch.rank, launch.local_rank, launch.local_world_size) == (
+        4,
+        2,
+        0,
+        2,
+    )
+    assert launch.agent_store and launch.run_key == "job7/1"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"WORLD_SIZE": "1"}, {IN_RANK_WORKER: "1"}, {"HARNESS_LAUNCHED": "0"}],
+    ids=["one process", "a harness worker", "switched off"],
+)
+def test_no_launch_where_there_is_none(change: dict[str, str]) -> None:
+    assert detect({**TORCHRUN, **change}) is None
+    assert detect({k: v for k, v in TORCHRUN.items() if k != "RANK"}) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"RANK": "4"}, "RANK=4 is not a rank of WORLD_SIZE=4"),
+        ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+        ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not an integer"),
+    ],
+)
+def test_a_broken_launch_environment_says_what_to_fix(change: dict[str, str], said: str) -> None:
+    with pytest.raises(LaunchError, match=re.escape(said)) as caught:
+        detect({**TORCHRUN, **change})
+    assert "HARNESS_LAUNCHED=0" in str(caught.value)
+
+
+def test_xdist_under_a_launch_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    env = {**TORCHRUN, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        result = pytester.runpytest_subprocess("-p", "harness", "-n", "2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*under torchrun every launched process is one rank*-n 2*"])
