@@ -49,11 +49,12 @@ def machine() -> str:
     )
 
 
-# A conftest that records each test's wall time (setup + call + teardown) and its outcome.
+# A conftest that records each test's wall time (setup + call + teardown), its outcome and,
+# for a failure, the one-line message pytest shows for it.
 _TIMING_CONFTEST = """
 import json, os, time, pytest
 
-_times, _outcomes = {}, {}
+_times, _outcomes, _messages = {}, {}, {}
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
@@ -64,18 +65,26 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_logreport(report):
     if report.when == "call" or report.outcome != "passed":
         _outcomes.setdefault(report.nodeid, report.outcome)
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if report.failed and crash is not None:
+        _messages.setdefault(report.nodeid, crash.message)
 
 def pytest_sessionfinish(session):
     with open(os.environ["BENCH_TIMES"], "w") as f:
-        json.dump({"times": _times, "outcomes": _outcomes}, f)
+        json.dump({"times": _times, "outcomes": _outcomes, "messages": _messages}, f)
 """
 
 
-def run_pytest(test_source: str, args: list[str], timeout: float = 600) -> dict[str, Any]:
-    """Run pytest on one generated test file: {"times": {id: s}, "outcomes": {id: outcome}}."""
+def run_pytest(
+    test_source: str, args: list[str], timeout: float = 600, conftest: str = ""
+) -> dict[str, Any]:
+    """Run pytest on one generated test file (`conftest` is added to the timing conftest).
+
+    Returns {"times": {id: s}, "outcomes": {id: outcome}, "messages": {id: failure message}}.
+    """
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         folder = Path(tmp)
-        (folder / "conftest.py").write_text(_TIMING_CONFTEST)
+        (folder / "conftest.py").write_text(_TIMING_CONFTEST + textwrap.dedent(conftest))
         (folder / "test_bench.py").write_text(textwrap.dedent(test_source))
         times = folder / "times.json"
         env = {**os.environ, "BENCH_TIMES": str(times), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -88,10 +97,12 @@ def run_pytest(test_source: str, args: list[str], timeout: float = 600) -> dict[
             capture_output=True,
         )
         if not times.exists():
-            return {"times": {}, "outcomes": {}}
+            return {"times": {}, "outcomes": {}, "messages": {}}
         return json.loads(times.read_text())  # type: ignore[no-any-return]
 
 
-def time_pytest_run(test_source: str, args: list[str], timeout: float = 600) -> dict[str, float]:
+def time_pytest_run(
+    test_source: str, args: list[str], timeout: float = 600, conftest: str = ""
+) -> dict[str, float]:
     """Each test's wall time in seconds, in run order."""
-    return run_pytest(test_source, args, timeout)["times"]  # type: ignore[no-any-return]
+    return run_pytest(test_source, args, timeout, conftest)["times"]  # type: ignore[no-any-return]

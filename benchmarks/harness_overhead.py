@@ -1,7 +1,8 @@
-"""The harness against torch's test bases and torchrun, side by side in one run.
+"""The harness against torch's test bases, torchrun and a hand-written worker pool, side by side.
 
 - Per-test overhead of a trivial test (all_reduce + teardown) at 2, 4 and 8 ranks.
-- Time to a report when rank 1 fails while the others wait in a collective.
+- Time to a report when rank 1 fails while the others wait in a collective (and, for the
+  hand-written pool, what happens to the test after it).
 - What each runner reports when rank 1 calls sys.exit(3).
 """
 
@@ -13,11 +14,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks._common import Sample, run_pytest, time_pytest_run
 
 SIZES = (2, 4, 8)
 PEER_TIMEOUT_S = 10  # the short group timeout given to the peers' failure runs
+# The hand-written pool's result-queue timeout: such pools use a minute or so; shortened here
+# as the peers' group timeout is. Its group keeps torch's default timeout, as such pools do.
+POOL_QUEUE_TIMEOUT_S = PEER_TIMEOUT_S
+POOL = "hand-written pool (warm ranks, one group per session)"
 
 OURS = """
 import pytest, torch, torch.distributed as dist
@@ -132,6 +138,178 @@ dist.destroy_process_group()
 """
 
 
+# A persistent worker pool as a project writes it for itself, in its conftest: N processes
+# spawned once for the session, one gloo group initialised once, each test dispatched as
+# fn(rank, world_size, *args) through per-rank queues, the results read back from one queue
+# with a timeout. The lines marked "benchmark" keep the benchmark bounded; the rest is the
+# pattern. POOL_WORLD, QUEUE_TIMEOUT_S and START_TIMEOUT_S are put in front of it.
+POOL_CONFTEST = """
+import ctypes, os, queue, signal, sys, time, traceback
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, store, tasks, results, parent):
+    _die_with_parent(parent)  # benchmark: no rank outlives pytest, even if pytest is killed
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size)
+    results.put((0, rank, "ok", None))  # call 0: the group is up
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call, fn, args = task
+        try:
+            value = fn(rank, world_size, *args)
+        except Exception:
+            results.put((call, rank, "error", traceback.format_exc()))
+        else:
+            results.put((call, rank, "ok", value))
+    dist.destroy_process_group()
+
+
+def _die_with_parent(parent):  # benchmark
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+class WorkerPool:
+    def __init__(self, world_size, store, timeout):
+        context = mp.get_context("spawn")
+        self.world_size, self.timeout, self.calls = world_size, timeout, 0
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        self.processes = [
+            context.Process(target=_worker, daemon=True,
+                            args=(rank, world_size, store, self.tasks[rank], self.results,
+                                  os.getpid()))
+            for rank in range(world_size)
+        ]
+        try:
+            for process in self.processes:
+                process.start()
+            self._collect(0, START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, fn, *args):  # fn(rank, world_size, *args) on every rank; values by rank
+        self.calls += 1
+        for tasks in self.tasks:
+            tasks.put((self.calls, fn, args))
+        return self._collect(self.calls, self.timeout)
+
+    def _collect(self, call, timeout):
+        deadline = time.monotonic() + timeout
+        values, errors = {}, {}
+        while len(values) + len(errors) < self.world_size:
+            try:
+                got, rank, status, payload = self.results.get(
+                    timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(values) - set(errors))
+                failed = "".join(f"; rank {r}: {e.strip().splitlines()[-1]}"
+                                 for r, e in sorted(errors.items()))
+                raise TimeoutError(
+                    f"no result from ranks {missing} within {timeout} s{failed}") from None
+            if got != call:
+                continue  # a late answer to an earlier call
+            (errors if status == "error" else values)[rank] = payload
+        if errors:
+            report = "".join(f"rank {r} failed:\\n{e}" for r, e in sorted(errors.items()))
+            raise RuntimeError(report)
+        return [values[rank] for rank in range(self.world_size)]
+
+    def close(self):
+        for tasks in self.tasks:
+            tasks.put(None)
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            if process.pid is not None:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()  # still inside a collective that will never finish
+                process.join(timeout=5)
+        for q in (*self.tasks, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory):
+    workers = WorkerPool(POOL_WORLD, tmp_path_factory.mktemp("pool") / "store", QUEUE_TIMEOUT_S)
+    try:
+        yield workers
+    finally:
+        workers.close()
+"""
+
+# The pool's tests: the functions the ranks run, then the tests that send them.
+POOL_FUNCTIONS = """
+import sys
+import torch, torch.distributed as dist
+
+
+def trivial(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def fail(rank, world_size):
+    if rank == 1:
+        assert False, "rank 1"
+    dist.barrier()
+
+
+def leave(rank, world_size):
+    if rank == 1:
+        sys.exit(3)
+"""
+POOL_TESTS = {
+    "trivial": """
+import pytest
+
+@pytest.mark.parametrize("i", range({count}))
+def test_trivial(pool, i):
+    pool.run(trivial)
+""",
+    # A warm-up test first, so that the failing test's time leaves the pool's start out.
+    "fail": """
+def test_0_warm(pool):
+    pool.run(trivial)
+
+def test_1_fail(pool):
+    pool.run(fail)
+
+def test_2_next(pool):
+    pool.run(trivial)
+""",
+    "exit": """
+def test_exit(pool):
+    pool.run(leave)
+""",
+}
+
+
+def run_pool(world: int, tests: str, count: int = 1) -> dict[str, Any]:
+    """Run the hand-written pool's `tests` ("trivial", "fail" or "exit") on `world` ranks."""
+    conftest = (
+        f"POOL_WORLD = {world}\nQUEUE_TIMEOUT_S = {POOL_QUEUE_TIMEOUT_S}\n"
+        f"START_TIMEOUT_S = 120\n{POOL_CONFTEST}"
+    )
+    source = POOL_FUNCTIONS + POOL_TESTS[tests].format(count=count)
+    return run_pytest(source, ["-p", "no:harness"], timeout=300, conftest=conftest)
+
+
+def pool_peer(world: int, count: int = 10) -> Sample:
+    return _after_first(run_pool(world, "trivial", count)["times"])
+
+
 def _peer_source(template: str, world: int, count: int, body: str) -> str:
     methods = "".join(f"    def test_{i}(self):\n{BODIES[body]}\n" for i in range(count))
     return template.format(world=world, methods=methods, timeout=PEER_TIMEOUT_S)
@@ -220,6 +398,7 @@ def main() -> tuple[list[str], dict[str, dict[int, Sample]]]:
             "torch MultiProcContinuousTest (warm per class)",
             "torchrun subprocess per test",
             "torch MultiThreadedTestCase (threads)",
+            POOL,
         )
     }
     first_test = 0.0
@@ -235,6 +414,7 @@ def main() -> tuple[list[str], dict[str, dict[int, Sample]]]:
         )
         results["torchrun subprocess per test"][world] = torchrun(world, 2 if world == 8 else 3)
         results["torch MultiThreadedTestCase (threads)"][world] = peer(THREADED, world, 10)
+        results[POOL][world] = pool_peer(world, 10)
         print(f"  overhead at {world} ranks measured", flush=True)
     lines = overhead_section(results)
     start = pool_start(4)
@@ -270,7 +450,10 @@ def failure_section() -> list[str]:
         "## Harness: rank 1 fails while the others wait in barrier() (4 ranks)",
         "",
         f"The peers' group timeout is set to {PEER_TIMEOUT_S} s here (torch's default is 30 "
-        "minutes); the harness needs none.",
+        "minutes); the harness needs none. The hand-written pool keeps torch's default group "
+        f"timeout, as such pools do, and waits {POOL_QUEUE_TIMEOUT_S} s for its results (a "
+        "queue timeout; such pools use a minute or so); its failing test follows a passing "
+        "one, so its time leaves the pool's start out.",
         "",
         "| runner | time to a report | rank 1's sys.exit(3) is reported as |",
         "|---|---|---|",
@@ -288,7 +471,36 @@ def failure_section() -> list[str]:
         exited = run_pytest(_peer_source(template, 2, 1, "exit"), ["-p", "no:harness"])
         seconds = Sample.of(list(failed["times"].values()) or [float("nan")])
         lines.append(f"| {name} | {seconds.s()} ({_outcome(failed)}) | {_outcome(exited)} |")
+    failed = run_pool(4, "fail")
+    exited = run_pool(2, "exit")
+    fail_id, next_id = (_test_id(failed, name) for name in ("test_1_fail", "test_2_next"))
+    seconds = Sample.of([failed["times"][fail_id]] if fail_id else [float("nan")])
+    lines.append(
+        f"| hand-written pool (queue timeout {POOL_QUEUE_TIMEOUT_S} s) | {seconds.s()} "
+        f"({_verdict(failed, fail_id, green=True)}) | "
+        f"{_verdict(exited, _test_id(exited, 'test_exit'), green=True)} |"
+    )
+    lines += [
+        "",
+        "- the hand-written pool's next test (a trivial all_reduce after the failing one): "
+        + _verdict(failed, next_id),
+    ]
     return [*lines, ""]
+
+
+def _test_id(run: dict[str, Any], name: str) -> str | None:
+    return next((i for i in run["outcomes"] if i.endswith(f"::{name}")), None)
+
+
+def _verdict(run: dict[str, Any], test_id: str | None, green: bool = False) -> str:
+    """One test's outcome, with the first line of its failure message; `green`: a pass is false."""
+    if test_id is None:
+        return "no result"
+    verdict = run["outcomes"][test_id]
+    if verdict == "passed" and green:
+        return "**passed** (a false green)"
+    message = run.get("messages", {}).get(test_id, "").strip().splitlines()
+    return f"{verdict}: {message[0][:160]}" if message else verdict
 
 
 def _outcome(run: dict[str, dict[str, str]]) -> str:
