@@ -119,6 +119,13 @@ def test_leaves_env(rank, monkeypatch):
 def test_plain_sees_no_group():
     assert not dist.is_initialized()
 
+@pytest.mark.ranks(2, launch=True)
+def test_launch_mode_makes_its_own_group(rank):
+    assert not dist.is_initialized() and os.environ["RANK"] == str(rank)
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+
 @pytest.mark.ranks(2)
 def test_group_is_back(rank, shared_tmp_path):
     (shared_tmp_path / str(rank)).write_text("here")
@@ -152,6 +159,7 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
         "test_expected_fault[ranks2]": "passed",
         "test_leaves_env[ranks2]": "error",
         "test_plain_sees_no_group": "passed",
+        "test_launch_mode_makes_its_own_group[ranks2]": "passed",
         "test_group_is_back[ranks2]": "passed",
         "test_run_on_ranks_in_the_launch": "passed",
     }
@@ -308,3 +316,28 @@ def test_xdist_under_a_launch_is_refused(pytester: pytest.Pytester) -> None:
         result = pytester.runpytest_subprocess("-p", "harness", "-n", "2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*under torchrun every launched process is one rank*-n 2*"])
+
+
+@pytest.mark.gpu
+def test_an_nccl_launch_over_every_gpu(pytester: pytest.Pytester) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        pytest.skip(f"a launch needs 2 CUDA GPUs or more, this machine has {gpus}")
+    source = f"""
+@pytest.mark.ranks
+def test_every_gpu(rank, device):
+    assert dist.get_backend() == "nccl" and device == torch.device("cuda", rank)
+    t = torch.ones(1, device=device) * rank
+    dist.all_reduce(t)
+    assert t.item() == sum(range({gpus}))
+
+@pytest.mark.ranks
+def test_rank_1_fails(rank, device):
+    assert rank != 1
+"""
+    result = torchrun(write(pytester, test_nccl=source), gpus)
+    assert junit_cases(result.junit) == {"test_every_gpu": "passed", "test_rank_1_fails": "failure"}
+    assert "rank 1 failed: raised AssertionError" in result.output
+    assert result.exit_codes() == [1] * gpus, result.output
