@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-faults bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu" -ra
+
+# Whole-process checks (pytest sessions in subprocesses: kills, Ctrl-C, start methods,
+# torchrun launches, adopted suites) and the failure matrix: minutes. CI runs it after test.
+test-slow: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu" -ra
 
 # The failure matrix at 2, 4 and 8 ranks (slow: minutes); also selected by -m slow.
 test-faults: $(STAMP)

@@ -200,7 +200,7 @@ class Injector:
 _active: Injector | None = None
 # Told, before a fault ends this process, what the fault was: a rank torchrun launched has
 # no pool to see how it died, so it leaves word in the launch's store.
-before_fatal: Callable[[str], None] | None = None
+before_fatal: Callable[[str, int | None, int | None], None] | None = None  # text, signal, code
 
 
 def fault_point(name: str) -> None:
@@ -237,8 +237,14 @@ def _fire(fault: Fault, rank: int, where: str) -> None:
             stream.flush()
     if fault.kind in ("hard_exit", "signal") and before_fatal is not None:
         with contextlib.suppress(Exception):
-            what = f"os._exit({fault.code})" if fault.kind == "hard_exit" else str(fault.signal)
-            before_fatal(f"{what} at {where}, a fault injected by the harness")
+            hard = fault.kind == "hard_exit"
+            what = f"os._exit({fault.code})" if hard else str(fault.signal)
+            signum = None if hard else _signal_number(fault.signal, _unreachable)
+            before_fatal(
+                f"{what} at {where}, a fault injected by the harness",
+                signum,
+                fault.code if hard else None,
+            )
     if fault.kind == "hard_exit":
         os._exit(fault.code)
     if fault.kind == "signal":

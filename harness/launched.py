@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from harness.launch_detect import Launch
+from harness.launched_store import Peers
 from harness.launched_watch import Watch
 from harness.outcome import Ending, RankOutcome
 
@@ -42,19 +43,17 @@ AGREE_S = 300.0
 OUTCOME_GRACE_S = 15.0
 # The group's own timeout stays past every test's bound, so the harness's timer fires first.
 GROUP_TIMEOUT_MARGIN_S = 120.0
-# Store polls start fast (ranks usually arrive together) and slow down to this.
-_FIRST_POLL_S = 0.0005
-_LAST_POLL_S = 0.05
-_STOPPING_WAIT_S = 3.0
 
 _session_key = pytest.StashKey["LaunchedSession"]()
 
 
 def auto_backend(launch: Launch) -> str:
-    """nccl where this rank has its GPU (cuda:LOCAL_RANK), gloo otherwise."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > launch.local_rank:
-        return "nccl"
-    return "gloo"
+    """nccl where this rank has its GPU (cuda:LOCAL_RANK, or the one GPU the launcher made
+    visible to it), gloo otherwise."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    count = torch.cuda.device_count()
+    return "nccl" if count > launch.local_rank or count == 1 else "gloo"
 
 
 def session_of(config: pytest.Config) -> LaunchedSession | None:
@@ -65,8 +64,18 @@ def start(config: pytest.Config, launch: Launch, backend: str) -> LaunchedSessio
     session = LaunchedSession(config, launch, backend)
     config.stash[_session_key] = session
     if launch.rank != 0:
-        _quiet(config)
+        session.real_writer = _quiet(config)
+    _own_basetemp(config, launch.rank)
     return session
+
+
+def _own_basetemp(config: pytest.Config, rank: int) -> None:
+    """--basetemp is emptied by every process that uses it: give each rank its own below it."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    given = getattr(factory, "_given_basetemp", None)
+    if factory is not None and given is not None:
+        given.mkdir(parents=True, exist_ok=True)  # pytest makes only the last level
+        factory._given_basetemp = given / f"rank{rank}"
 
 
 class LaunchedSession:
@@ -78,8 +87,10 @@ class LaunchedSession:
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.backend = backend
-        self.store: Any = None
-        self.runs = 0  # ranks tests and run_on_ranks calls so far: each one's store keys
+        self.peers: Peers | None = None
+        self.index = -1  # the current test's place in the collected order (every rank alike)
+        self.calls = 0  # run_on_ranks calls so far in the current test
+        self.stage = -1  # where this rank is: 2 * index in a test, 2 * index + 1 finishing it
         self.current = ""  # the node id of the test running now
         self.collected: list[str] = []
         self.done: set[str] = set()
@@ -88,62 +99,65 @@ class LaunchedSession:
         self.final_status: int | None = None
         self.group_timeout_s = GROUP_TIMEOUT_MARGIN_S
         self.hung_in: set[str] = set()  # runs whose outcome this rank's timer published
-        self.stopping = False  # the launcher sent SIGTERM: finish the current test, then end
         self.finished = threading.Event()  # the exit status is agreed: the session is over
-        self._tick = threading.Event()  # never set: a bounded pause between polls
         self.watch = Watch(self)
+        self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
+        self.absent: dict[int, str] = {}  # why ranks were missing from the last exchange
+        self.dying = False  # an injected fault is about to end this process
+        self._group: Any = None  # the session's own default group, to tell it from others
+        self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
 
     # ---- the store ---------------------------------------------------------------------
 
     def connect(self) -> None:
-        """A client of the launch's store (rank 0 hosts it when no agent does), under a prefix
-        of this run and attempt."""
-        launch = self.launch
-        base = dist.TCPStore(  # type: ignore[attr-defined]
-            launch.master_addr,
-            launch.master_port,
-            world_size=launch.world_size,
-            is_master=launch.rank == 0 and not launch.agent_store,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=AGREE_S),
-        )
-        self.store = dist.PrefixStore(f"harness/{launch.run_key}", base)  # type: ignore[attr-defined]
+        """Join the launch's store; start saying this rank is alive."""
+        self.peers = Peers(self.launch, AGREE_S)
+        self.peers.position = lambda: self.stage
+        self.peers.name_of = self._name_of
         self.put(f"pid/{self.rank}", str(os.getpid()))  # for the report if this rank dies
+        self.watch.start_heartbeat(self.peers)
+
+    @property
+    def store(self) -> Any:
+        assert self.peers is not None, "the launched session is not connected"
+        return self.peers.store
+
+    @property
+    def stopping(self) -> bool:
+        return self.peers is not None and self.peers.stopping
 
     def put(self, key: str, value: bytes | str) -> None:
+        self._track(key)
         self.store.set(key, value)
 
-    def wait(self, keys: Sequence[str], seconds: float) -> bool:
-        """Whether every key is set within `seconds` (a few once the launcher is stopping
-        the job: ranks it already killed will never answer).
+    def _track(self, key: str) -> None:
+        """Remember a test's own keys ("t<index>/..."), to delete them once all have read."""
+        if key.startswith("t"):
+            self._written.setdefault(self.index, []).append(key)
 
-        Polls: the store's own timed wait logs a warning each time it times out, and a
-        short poll keeps the main thread where Python signal handlers run.
-        """
+    def wait(self, keys: Sequence[str], seconds: float) -> bool:
+        """Whether every key is set within `seconds` (a few once the job is stopping)."""
+        return all(self.get(key, seconds) is not None for key in keys)
+
+    def get(self, key: str, seconds: float) -> bytes | None:
+        """The value rank 0 (or any one rank) published at `key`, waiting up to `seconds`."""
+        assert self.peers is not None
         start = time.monotonic()
-        pause = _FIRST_POLL_S
-        while not self.store.check(list(keys)):
+        while not self.peers.has(key):
             waited = time.monotonic() - start
-            if waited >= seconds or (self.stopping and waited >= _STOPPING_WAIT_S):
-                return False
-            self._tick.wait(pause)
-            pause = min(pause * 2, _LAST_POLL_S)
-        return True
+            if waited >= seconds or (self.stopping and waited >= 3.0):
+                return None
+            self.finished.wait(0.05)  # a bounded pause between polls
+        return self.peers.read(key)
 
     def gather(self, name: str, value: bytes | str | None, seconds: float) -> list[bytes | None]:
         """Every rank's `value` under `name`, in rank order; None for a rank that did not
-        publish within `seconds` (ranks already lost are not waited for). A None `value`
-        keeps what this rank published there already."""
+        publish (gone, moved on, or late past `seconds`: the reason lands in `absent`)."""
+        assert self.peers is not None
         if value is not None:
-            self.put(f"{name}/{self.rank}", value)
-        keys = [f"{name}/{r}" for r in range(self.world_size)]
-        awaited = [k for r, k in enumerate(keys) if r not in self.lost]
-        if not self.wait(awaited, seconds):
-            pass  # some did not come: they read as None below
-        return [self.store.get(k) if self.store.check([k]) else None for k in keys]
-
-    def get(self, key: str, seconds: float) -> bytes | None:
-        return self.store.get(key) if self.wait([key], seconds) else None
+            self._track(f"{name}/{self.rank}")
+        found, self.absent = self.peers.gather(name, value, seconds, set(self.lost))
+        return found
 
     # ---- agreements ----------------------------------------------------------------------
 
@@ -166,7 +180,7 @@ class LaunchedSession:
         differences = []
         for r, blob in enumerate(found):
             if blob is None:
-                differences.append(f"rank {r} did not finish collecting within {AGREE_S:g} s")
+                differences.append(f"rank {r} did not finish collecting: {self.absent[r]}")
                 continue
             theirs = json.loads(blob)
             if theirs != mine:
@@ -176,21 +190,58 @@ class LaunchedSession:
                 self,
                 f"harness: the launched ranks collected different tests: {'; '.join(differences)}"
                 f". Every rank must collect the same tests: make collection independent of the "
-                f"node (its GPUs, files, environment) or select the same tests everywhere",
+                f"node (its GPUs, files, environment, random seeds) and select the same tests "
+                f"everywhere (a --lf cache each node keeps for itself differs)",
             )
+
+    # ---- where every rank is -------------------------------------------------------------
+
+    def begin(self, nodeid: str) -> None:
+        """A test starts here (whether it will run, skip or fail): say so to the others."""
+        self.current = nodeid
+        self.done.add(nodeid)
+        self.index = self.collected.index(nodeid) if nodeid in self.collected else self.index
+        self.calls = 0
+        self.at(2 * self.index)
+        for old in [i for i in self._written if i < self.index - 1]:
+            assert self.peers is not None
+            self.peers.drop(self._written.pop(old))  # every rank has read them by now
+
+    def at(self, stage: int) -> None:
+        """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
+        self.stage = stage
+        self.put(f"at/{self.rank}", str(stage))
+
+    def finishing(self) -> None:
+        """This rank is past the current test's body and calls: only its verdict is left."""
+        self.at(2 * self.index + 1)
+
+    def test_key(self) -> str:
+        return f"t{self.index}"
+
+    def call_key(self) -> str:
+        """The store keys' prefix of the next run_on_ranks call in the current test."""
+        self.calls += 1
+        return f"t{self.index}/c{self.calls}"
+
+    def _name_of(self, stage: int) -> str:
+        index, finishing = divmod(stage, 2)
+        if not 0 <= index < len(self.collected):
+            return "the end of the session" if index >= 0 else "no test yet"
+        return f"the end of {self.collected[index]}" if finishing else self.collected[index]
 
     # ---- the process group ---------------------------------------------------------------
 
     def device(self) -> torch.device:
         if self.backend == "nccl":
-            return torch.device("cuda", self.launch.local_rank)
+            return torch.device("cuda", cuda_index(self.launch))
         return torch.device("cpu")
 
-    def agree_on_group(self, key: str, seconds: float) -> bool:
-        """Every rank on one live group for run `key`: if any rank has none (a test destroyed
-        it, a plain test set it aside), every rank sets a new one up, under this run's keys.
-        False when a rank did not come within `seconds`."""
-        need = "1" if not dist.is_initialized() else "0"
+    def agree_on_group(self, key: str, seconds: float, fresh: bool) -> bool:
+        """Every rank on the session's live group for run `key`: if any rank lacks it (a test
+        destroyed it or replaced it, a plain test set it aside) or `fresh` is asked, every
+        rank sets a new one up, under this run's keys. False when a rank did not come."""
+        need = "1" if fresh or not self.has_group() else "0"
         found = self.gather(f"{key}/group", need, seconds)
         if any(flag is None for flag in found):
             return False
@@ -199,64 +250,79 @@ class LaunchedSession:
             self._init_group(dist.PrefixStore(f"{key}/group", self.store))  # type: ignore[attr-defined]
         return True
 
+    def has_group(self) -> bool:
+        return dist.is_initialized() and dist.group.WORLD is self._group
+
     def _init_group(self, store: Any) -> None:
         kwargs: dict[str, Any] = {}
-        if self.backend == "nccl":
+        backend = self.backend
+        if backend == "nccl":
             torch.cuda.set_device(self.device())
             kwargs["device_id"] = self.device()
+            backend = "cpu:gloo,cuda:nccl"  # CPU tensors in the same tests still work
         dist.init_process_group(
-            self.backend,
+            backend,
             store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=self.group_timeout_s),
             **kwargs,
         )
+        self._group = dist.group.WORLD
 
     def drop_group(self) -> None:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        self._group = None
 
     # ---- outcomes and the end ------------------------------------------------------------
 
-    def begin(self, nodeid: str) -> None:
-        """A test starts here (whether it will run, skip or fail)."""
-        self.current = nodeid
-        self.done.add(nodeid)
-
-    def next_run(self) -> str:
-        """The store keys' prefix for the next test or call, the same on every rank."""
-        self.runs += 1
-        return f"run{self.runs}"
-
-    def note_death(self, text: str) -> None:
-        """Say, before this process dies of something the harness knows, what it was."""
+    def note_death(self, text: str, signum: int | None = None, code: int | None = None) -> None:
+        """Say, before this process dies of something the harness knows (an injected fault),
+        what it was; a SIGTERM it sends itself then ends it, as it would a warm rank."""
+        self.dying = True
+        with contextlib.suppress(ValueError):  # called from the body, on the main thread
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(Exception):
-            self.put(f"died/{self.rank}", text)
+            self.put(
+                f"died/{self.rank}", json.dumps({"text": text, "signal": signum, "code": code})
+            )
 
     def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]:
-        """Every rank's outcome of run `key`; a rank that published none reads as lost."""
+        """Every rank's outcome of run `key`; a rank that published none is read as gone."""
         mine = None if key in self.hung_in else pickle.dumps(outcome)  # the timer's stands
         found = self.gather(f"{key}/outcome", mine, seconds)
         return [
-            pickle.loads(blob) if blob is not None else self._missing(key, r, seconds)
+            pickle.loads(blob) if blob is not None else self._missing(key, r)
             for r, blob in enumerate(found)
         ]
 
-    def _missing(self, key: str, rank: int, seconds: float) -> RankOutcome:
-        died = self.store.get(f"died/{rank}") if self.store.check([f"died/{rank}"]) else None
-        why = (
-            f"it died: {_text(died)}"
-            if died is not None
-            else f"it gave no outcome within {seconds:g} s: its process ended or cannot run "
-            f"Python (the launcher's summary names its exit)"
-        )
+    def _missing(self, key: str, rank: int) -> RankOutcome:
+        assert self.peers is not None
+        blob = self.peers.read(f"died/{rank}")
+        died = json.loads(blob) if blob is not None else {}
+        why = f"it died: {died['text']}" if died else self.absent.get(rank, "gone")
         self.lost[rank] = why
-        pid = self.store.get(f"pid/{rank}") if self.store.check([f"pid/{rank}"]) else b"0"
-        outcome = RankOutcome(key, rank, int(pid), Ending.HARD_EXIT, at=time.monotonic())
-        outcome.notes.append(f"rank {rank} left the session: {why}")
+        pid = int(self.peers.read(f"pid/{rank}") or b"0")
+        if died.get("signal") is not None:
+            outcome = RankOutcome(key, rank, pid, Ending.SIGNALLED, signal=died["signal"])
+        else:
+            outcome = RankOutcome(key, rank, pid, Ending.HARD_EXIT, exit_code=died.get("code"))
+        outcome.at = time.monotonic()
+        outcome.notes.append(f"rank {rank} gave no outcome: {why}")
         return outcome
+
+    def speak_for_rank_0(self) -> None:
+        """Rank 0 is gone: the lowest rank left prints the report from here on."""
+        alive = [r for r in range(self.world_size) if r not in self.lost]
+        if self.real_writer is None or not alive or alive[0] != self.rank:
+            return
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter._tw = self.real_writer
+        self.real_writer = None
+        loud(self.config, f"harness: rank 0 is gone ({self.lost[0]}); rank {self.rank} reports")
 
     def stop(self, reason: str, session: pytest.Session) -> None:
         """End the session after the current test: a rank cannot go on."""
@@ -269,18 +335,21 @@ class LaunchedSession:
     def agree_on_exit(self, session: pytest.Session) -> None:
         """Every rank ends with one status: rank 0's, or the worst any rank reached."""
         status = int(session.exitstatus)
+        self.index = len(self.collected)  # past every test: the end's keys are not deleted
         mine = {"status": status, "failed": _failed(session)}
         found = self.gather("status", json.dumps(mine), AGREE_S)
         if self.rank == 0:
-            final = self._final(found, mine, session)
+            final = self._final(found, mine)
             self.put("final", str(final))
+        elif 0 in self.lost:
+            final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
         else:
             blob = self.get("final", AGREE_S)
             if blob is None:
                 loud(
                     self.config,
-                    f"harness: rank {self.rank} could not learn rank 0's exit status within "
-                    f"{AGREE_S:g} s; it exits with its own ({status})",
+                    f"harness: rank {self.rank} could not learn rank 0's exit status (rank 0 "
+                    f"did not publish it); it exits with its own ({status})",
                 )
                 final = status
             else:
@@ -300,25 +369,22 @@ class LaunchedSession:
         with contextlib.suppress(ValueError):  # not the main thread: the handler still exits
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    def _final(
-        self, found: list[bytes | None], mine: dict[str, Any], session: pytest.Session
-    ) -> int:
+    def _final(self, found: list[bytes | None], mine: dict[str, Any]) -> int:
         statuses = [mine["status"]]
         for r, blob in enumerate(found):
             if blob is None or r == 0:
                 continue
-            theirs = json.loads(blob)
-            statuses.append(theirs["status"])
-            extra = sorted(set(theirs["failed"]) - set(mine["failed"]))
-            if extra:
-                loud(
-                    self.config,
-                    f"harness: rank {r} failed where rank 0 did not: {', '.join(extra)}",
-                )
+            statuses.append(json.loads(blob)["status"])
         if self.lost:
             statuses.append(int(pytest.ExitCode.TESTS_FAILED))
         bad = [s for s in statuses if s != 0]
         return mine["status"] if mine["status"] != 0 else (bad[0] if bad else 0)
+
+
+def cuda_index(launch: Launch) -> int:
+    """This rank's GPU: LOCAL_RANK, or the one GPU a launcher made visible to each process."""
+    count = torch.cuda.device_count()
+    return launch.local_rank if count > launch.local_rank else 0
 
 
 def end_session(session: LaunchedSession, message: str) -> None:
@@ -355,12 +421,15 @@ def _text(blob: bytes | None) -> str:
 # ---- quiet ranks and loud words -----------------------------------------------------------
 
 
-def _quiet(config: pytest.Config) -> None:
-    """Ranks other than 0 print no report and write no junit or cache: rank 0 speaks for all."""
+def _quiet(config: pytest.Config) -> Any:
+    """Ranks other than 0 print no report and write no junit or cache: rank 0 speaks for all.
+    Returns the terminal writer it silenced."""
     from _pytest._io import TerminalWriter
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
+    real = None
     if reporter is not None:
+        real = reporter._tw
         reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the session's
     with contextlib.suppress(ImportError):
         from _pytest.junitxml import xml_key
@@ -373,6 +442,7 @@ def _quiet(config: pytest.Config) -> None:
     if cache is not None:
         with contextlib.suppress(Exception):
             cache.set = lambda key, value: None  # rank 0 writes --lf's record, once
+    return real
 
 
 def loud(config: pytest.Config, text: str) -> None:

@@ -6,6 +6,7 @@ torch are imported here only when a launch was detected.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,6 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     assert launched is not None
     from harness import launched_test
 
-    launched.begin(item.nodeid)
     reason = launched_test.skip_reason(launched, spec, gpu_marked)
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
@@ -94,8 +94,50 @@ def plain_set_up(item: pytest.Item) -> None:
     test sets one up again)."""
     launched = _session(item.config)
     if launched is not None:
-        launched.begin(item.nodeid)
         launched.drop_group()
+
+
+def begin(item: pytest.Item) -> None:
+    """Every test starts here on every rank, in the same order: say where this rank is."""
+    launched = _session(item.config)
+    if launched is None:
+        return
+    launched.begin(item.nodeid)
+    if launched.stopping:
+        launched.stop("the launcher is stopping the job", item.session)
+        pytest.skip("not run: the launcher is stopping the job")
+
+
+# How long a rank waits for the others to finish a test without ranks (each runs it on its
+# own): a test that much slower on one rank than on another reads as ranks out of step.
+PLAIN_WAIT_S = 600.0
+
+
+def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
+    """One verdict for a test without ranks too: every rank ran it on its own; a failure on
+    any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
+    launched = _session(item.config)
+    if launched is None or launched.peers is None:
+        return
+    launched.finishing()
+    mine = {"outcome": report.outcome, "text": report.longreprtext[-4000:]}
+    found = launched.gather(f"{launched.test_key()}/plain", json.dumps(mine), PLAIN_WAIT_S)
+    if launched.absent:
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
+        launched.lost.update(launched.absent)
+        launched.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
+        if report.outcome != "failed":  # a rank that never finished the test: no pass here
+            report.outcome = "failed"
+            report.longrepr = f"not every rank finished this test: {absent}"
+    failed = [
+        (r, json.loads(b)) for r, b in enumerate(found) if b is not None and r != launched.rank
+    ]
+    failed = [(r, theirs) for r, theirs in failed if theirs["outcome"] == "failed"]
+    if report.outcome != "failed" and failed:
+        rank, theirs = failed[0]
+        report.outcome = "failed"
+        here = f"it did not fail on rank {launched.rank}"
+        report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
 
 
 def run_call(
@@ -137,16 +179,16 @@ def device_here(config: pytest.Config) -> Any:
     return None if launched is None else launched.device()
 
 
-def shared_path(request: pytest.FixtureRequest, make: Callable[[], Path]) -> Path:
+def shared_path(request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float) -> Path:
     """Rank 0's new directory, on every rank (shared across nodes only if the filesystem is)."""
     launched = _session(request.config)
     assert launched is not None
-    key = f"run{launched.runs}/shared_tmp_path"
+    key = f"{launched.test_key()}/shared_tmp_path"
     if launched.rank == 0:
         path = make()
         launched.put(key, str(path))
         return path
-    found = launched.get(key, launched.group_timeout_s)
+    found = launched.get(key, timeout_s)
     if found is None:
         pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
     return Path(found.decode())
@@ -160,8 +202,8 @@ def session_finish(session: pytest.Session) -> None:
 
 def terminal_summary(reporter: Any) -> None:
     launched = _session(reporter.config)
-    if launched is None or not launched.stop_reason or launched.rank != 0:
-        return
+    if launched is None or not launched.stop_reason or launched.real_writer is not None:
+        return  # not launched, nothing to say, or a quiet rank
     left = launched.not_run()
     reporter.write_sep("=", "harness: the session ended early", red=True)
     reporter.write_line(launched.stop_reason)

@@ -27,7 +27,6 @@ from harness.protocol import RankSpec
 endings.skip_frames_of(__file__)
 
 _key_key = pytest.StashKey[str]()
-_started_key = pytest.StashKey[float]()
 GROUP_DESTROYED = "the test destroyed the session's process group (set up again for the next)"
 # Endings after which the group is still good for the next test.
 _CLEAN = (Ending.RETURNED, Ending.SKIPPED, Ending.XFAILED)
@@ -37,8 +36,8 @@ def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> s
     """Why this test cannot run in this launch (the same answer on every rank), or None."""
     if spec.world_size != session.world_size:
         return f"needs {spec.world_size} ranks, launched with {session.world_size}"
-    if spec.backend != session.backend:
-        return f"needs the {spec.backend} backend, launched with {session.backend}"
+    if spec.backend == "nccl" and session.backend != "nccl":
+        return "needs the nccl backend, launched with gloo (no GPU for each local rank)"
     if gpu_marked and session.backend != "nccl":
         return "needs GPUs; this launch runs on gloo (no GPU for each local rank)"
     return None
@@ -46,18 +45,17 @@ def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> s
 
 def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -> None:
     """Name this test's store keys and give it its group (none for launch=True)."""
-    item.stash[_key_key] = _start_run(session, item.nodeid, spec)
-    item.stash[_started_key] = time.monotonic()
+    item.stash[_key_key] = _start_run(session, item.nodeid, spec, session.test_key())
 
 
-def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec) -> str:
-    key = session.next_run()
+def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
         session.drop_group()  # the test sets its own up, from torchrun's environment
-    elif not session.agree_on_group(key, spec.timeout_s):
+    elif not session.agree_on_group(key, spec.timeout_s, spec.fresh_group):
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
         raise runner.HarnessError(
-            f"harness error: not every launched rank reached the set-up of {nodeid} within "
-            f"{spec.timeout_s:g} s; the test body never ran",
+            f"harness error: not every launched rank reached the set-up of {nodeid} "
+            f"({absent}); the test body never ran",
             pytrace=False,
         )
     return key
@@ -73,29 +71,35 @@ def agree_on_set_up(
     """
     key = item.stash[_key_key]
     said = "" if error is None else _said(error)
+    if error is not None and type(error).__name__ != "Skipped":
+        session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
     found = session.gather(f"{key}/setup", said, spec.timeout_s)
     by_rank = {r: (blob.decode() if blob is not None else None) for r, blob in enumerate(found)}
-    missing = [r for r, s in by_rank.items() if s is None]
     failed = {r: s for r, s in by_rank.items() if s}
-    if error is not None:
-        return  # this rank raises its own error: its report names its own failure
-    if missing:
+    if any(s is None for s in by_rank.values()):
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
+        session.lost.update(session.absent)
+        session.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
+        pytest.fail(f"not every rank finished setting up ({absent})", pytrace=False)
+    skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
+    errors = {r: s for r, s in failed.items() if r not in skips}
+    if errors and (error is None or session.rank in skips):
+        first = min(errors)
+        if skips or error is None:
+            session.drop_group()  # the group may be mid-collective on the failed rank
         pytest.fail(
-            f"{_ranks(missing)} did not finish setting up within {spec.timeout_s:g} s; "
-            f"this rank did not run the body",
+            f"rank {first}'s set-up failed ({errors[first]}); rank {session.rank} did not run "
+            f"the body: every rank must set up alike",
             pytrace=False,
         )
-    if not failed:
-        return
-    skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
-    if len(skips) == len(failed) == session.world_size:
-        pytest.skip(skips[0][len("skip:") :].strip())
-    first = min(failed)
-    pytest.fail(
-        f"rank {first}'s set-up failed ({failed[first]}); rank {session.rank} set up but did "
-        f"not run the body: every rank must set up alike",
-        pytrace=False,
-    )
+    if error is not None:
+        return  # this rank raises its own error (or skip, when every rank skipped)
+    if skips and len(skips) < session.world_size:
+        pytest.fail(
+            f"{_ranks(sorted(skips))} skipped in set-up ({next(iter(skips.values()))}) while "
+            f"the others set up: skip on every rank or on none",
+            pytrace=False,
+        )
 
 
 def _said(error: BaseException) -> str:
@@ -111,13 +115,12 @@ def _ranks(ranks: list[int]) -> str:
 def run(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> None:
     """Run the body here, exchange outcomes, and pass, skip or fail it as every rank does."""
     key = item.stash[_key_key]
+    spec = runner.with_fixture_faults(item, spec)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-    outcomes = _run_everywhere(
-        session, key, spec, item, lambda: item.obj(**kwargs), item.stash[_started_key]
-    )
+    outcomes = _run_everywhere(session, key, spec, item, lambda: item.obj(**kwargs))
     rank_warnings.reemit(outcomes)
     runner.record_leftovers(item, outcomes)
-    if session.rank == 0:
+    if session.rank == 0 or session.real_writer is None:
         runner.attach_output(item, outcomes)
     runner.judge(item, spec, outcomes)
 
@@ -135,9 +138,8 @@ def run_call(
     reason = skip_reason(session, spec, gpu_marked=False)
     if reason is not None:
         pytest.skip(f"run_on_ranks: {reason}")
-    started = time.monotonic()
-    key = _start_run(session, node.nodeid, spec)
-    return _run_everywhere(session, key, spec, node, lambda: fn(*args, **kwargs), started)
+    key = _start_run(session, node.nodeid, spec, session.call_key())
+    return _run_everywhere(session, key, spec, node, lambda: fn(*args, **kwargs))
 
 
 def _run_everywhere(
@@ -146,14 +148,16 @@ def _run_everywhere(
     spec: RankSpec,
     node: pytest.Item,
     call: Callable[[], Any],
-    started: float,
 ) -> list[RankOutcome]:
+    started = time.monotonic()  # the hang timer's clock too: both count from the body's start
     outcome, group_ok = _run_here(node, session, spec, key, call)
     if outcome.ending not in _CLEAN or not group_ok:
         session.drop_group()  # peers blocked on this rank fail now, not at their timeout
     if not group_ok:
         outcome.notes.append(GROUP_DESTROYED)
     left = spec.timeout_s - (time.monotonic() - started)
+    if key == session.test_key():
+        session.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
     outcomes = session.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
     _after(node, session, outcomes)
     return outcomes
@@ -167,6 +171,8 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
     hung = [o.rank for o in outcomes if o.ending is Ending.HUNG]
     for rank in hung:
         session.lost.setdefault(rank, "it hung")
+    if 0 in session.lost:
+        session.speak_for_rank_0()
     reasons = [f"rank {r}: {why}" for r, why in sorted(session.lost.items())]
     if session.stopping:
         reasons.append("the launcher is stopping the job")
@@ -182,6 +188,7 @@ def _run_here(
     item: pytest.Item, session: LaunchedSession, spec: RankSpec, key: str, call: Callable[[], Any]
 ) -> tuple[RankOutcome, bool]:
     before = hygiene.snapshot()
+    children = set(reaper.leftovers(os.getpid()))  # a session fixture's own: not the test's
     where = Where()
     with (
         HangTimer(session.watch, key, spec.timeout_s, where),
@@ -192,11 +199,11 @@ def _run_here(
         outcome = _body(key, session.rank, call, injector)
     outcome.warnings = rank_warnings.collected(log)
     outcome.stdout, outcome.stderr = _captured(item.config)
-    group_ok = spec.launch or dist.is_initialized()
+    group_ok = spec.launch or session.has_group()
     group_left = spec.launch and dist.is_initialized()
     if group_left:
         session.drop_group()
-    left = reaper.leftovers(os.getpid())
+    left = {pid: line for pid, line in reaper.leftovers(os.getpid()).items() if pid not in children}
     reaper.kill(list(left))
     before = replace(before, env=_unpatched(before.env, item))
     outcome.leftovers = hygiene.findings(before, spec.hygiene, group_left, left)

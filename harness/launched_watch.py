@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import os
 import pickle
 import signal
@@ -22,11 +23,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from harness.launched_store import HEARTBEAT_S
 from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
 
 if TYPE_CHECKING:
     from harness.launched import LaunchedSession
+    from harness.launched_store import Peers
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
 # (torchrun allows 30 s between its SIGTERM and its SIGKILL).
@@ -104,6 +107,20 @@ class Watch:
             _exit(session, 1)  # frees every peer blocked on this rank; the launcher stops the job
         self._finish_or_report(f"rank 0 hung in {session.current}", key)
 
+    # ---- signs of life -------------------------------------------------------------------
+
+    def start_heartbeat(self, peers: Peers) -> None:
+        """Tell the others, every HEARTBEAT_S, that this process is alive (from a thread: it
+        goes on while the main thread is blocked in a collective)."""
+
+        def beat() -> None:
+            while not self._session.finished.wait(HEARTBEAT_S):
+                with contextlib.suppress(Exception):
+                    peers.beat()
+
+        peers.beat()
+        threading.Thread(target=beat, name="harness-heartbeat", daemon=True).start()
+
     # ---- the launcher's SIGTERM --------------------------------------------------------
 
     def install(self) -> None:
@@ -138,9 +155,9 @@ class Watch:
         session = self._session
         if session.final_status is not None:
             os._exit(session.final_status)
-        if session.stopping:
+        if session.stopping or session.peers is None:
             return
-        session.stopping = True  # the main thread stops after the current test
+        session.peers.stopping = True  # waits end soon; the main thread stops after this test
         with contextlib.suppress(Exception):
             session.put(f"stopped/{session.rank}", session.current or "-")
         self._finish_or_report("the launcher stopped the job", None)
@@ -190,12 +207,14 @@ def _stop_report(session: LaunchedSession) -> str:
     lines = [f"harness: the launcher stopped the job {during}."]
     for r in gone:
         died = f"died/{r}"
-        cause = session.store.get(died).decode() if session.store.check([died]) else ""
+        blob = session.store.get(died) if session.store.check([died]) else b"{}"
+        cause = str(json.loads(blob).get("text", ""))
         cause = cause or "it left no word (the launcher's summary has its exit status)"
         lines.append(f"  rank {r} ended first: {cause}")
     if gone:
         stopped = [r for r in range(session.world_size) if r not in gone]
-        lines.append(f"  {ranks_phrase(stopped)} were stopped by the launcher")
+        verb = "was" if len(stopped) == 1 else "were"
+        lines.append(f"  {ranks_phrase(stopped)} {verb} stopped by the launcher")
     else:
         lines.append("  every rank was stopped by it (a cancelled job, or a rank's own exit)")
     return "\n".join(lines)

@@ -99,6 +99,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
+    launched_hooks.begin(item)
     error = item.stash.get(_spec_error_key, None)
     if error is not None:
         pytest.fail(error, pytrace=False)  # this test's error; the others run
@@ -133,6 +134,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if call.excinfo is not None and call.excinfo.errisinstance(runner.HarnessError):
         report.harness_error = True  # travels with the report (xdist serialises __dict__)
+    verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
+    if verdict_phase and _spec_key not in item.stash and launched_hooks.active(item.config):
+        launched_hooks.plain_verdict(item, report)
     return report
 
 
@@ -226,7 +230,7 @@ def shared_tmp_path(
         return tmp_path_factory.mktemp(f"shared-ranks{spec.world_size}")
 
     if launched_hooks.active(request.config):
-        return launched_hooks.shared_path(request, make)  # rank 0's, on every rank
+        return launched_hooks.shared_path(request, make, spec.timeout_s)  # rank 0's, everywhere
     return make()
 
 

@@ -52,7 +52,7 @@ class HarnessError(Failed):  # pytest.fail's exception: reported with its messag
 
 def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
-    spec = _with_fixture_faults(item, spec)
+    spec = with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
     rank_warnings.reemit(outcomes)
     record_leftovers(item, outcomes)
@@ -60,7 +60,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     judge(item, spec, outcomes)
 
 
-def _with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
+def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
     extra = item._request.getfixturevalue("rank_faults")
     if not extra:
         return spec

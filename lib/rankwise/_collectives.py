@@ -13,13 +13,14 @@ carry the words (each rank's call and error) for the message.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from rankwise import _points, _transport, _wire
@@ -37,10 +38,12 @@ _KINDS = {
 }
 _STATUSES = ("ok", "error", "exit")
 _FIELDS = 7  # kind, key, status, length, root, chunk, code: int64 each
+# The fields packed and unpacked in plain Python: cheaper than building tensors for 56 bytes.
+_LAYOUT = struct.Struct(f"<{_FIELDS}q")
 # The header's fixed size. A value that fits in the rest rides in the header itself, so a
 # small all_reduce or broadcast_from moves in the header exchange alone.
 HEADER_BYTES = 4096
-INLINE_BYTES = HEADER_BYTES - 8 * _FIELDS
+INLINE_BYTES = HEADER_BYTES - _LAYOUT.size
 
 
 def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _V]) -> _V:
@@ -109,7 +112,7 @@ class Call:
         if not self.text:
             object.__setattr__(self, "text", f"{self.kind}({self.label!r})")
 
-    @property
+    @functools.cached_property
     def key(self) -> int:
         """A digest of kind and label, the same in every process (unlike hash())."""
         digest = hashlib.blake2b(f"{self.kind}\0{self.label}".encode(), digest_size=8).digest()
@@ -163,33 +166,24 @@ def exchange(call: Call, mine: Entry, group: Any, payload: bytes = b"") -> Heade
     `payload` rides along when it fits. Every rank sees the same headers, so every rank
     takes the second exchange or none does.
     """
-    device = _transport.exchange_device(group)
     members = _members(group)
-    header = _header(call, mine, payload).to(device)
-    rows = _transport.all_gather_fixed(header, members[0], group).view(-1, HEADER_BYTES).cpu()
-    fields = rows[:, : 8 * _FIELDS].contiguous().view(torch.int64).tolist()
-    entries = [Entry(_STATUSES[s], n, r, c, x) for _, _, s, n, r, c, x in fields]
-    inline = [
-        _transport.to_bytes(row[8 * _FIELDS :], e.length) if _fits(e) else None
-        for row, e in zip(rows, entries, strict=True)
-    ]
-    keys = [f[1] for f in fields]
-    headers = Headers(call, members, [f[0] for f in fields], keys, entries, [], inline)
+    raw = _transport.all_gather_block(_header(call, mine, payload), group)
+    headers = _parse(call, members, raw)
     if headers.agreed:
         return headers
-    said = _exchange_words(call.text, mine.error, members[0], group)
-    entries = [replace(e, error=w["error"]) for e, w in zip(entries, said, strict=True)]
+    said = _exchange_words(call.text, mine.error, group)
+    entries = [replace(e, error=w["error"]) for e, w in zip(headers.entries, said, strict=True)]
     return replace(headers, entries=entries, texts=[w["call"] for w in said])
 
 
-def _exchange_words(text: str, error: str, root: int, group: Any) -> list[dict[str, str]]:
+def _exchange_words(text: str, error: str, group: Any) -> list[dict[str, str]]:
     """Every rank's call text and error, for the message: one more fixed-size exchange."""
+    block = bytearray(HEADER_BYTES)
     words = _words(text, error)
-    block = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    block[: len(words)] = torch.frombuffer(bytearray(words), dtype=torch.uint8)
-    device = _transport.exchange_device(group)
-    rows = _transport.all_gather_fixed(block.to(device), root, group).view(-1, HEADER_BYTES)
-    return [json.loads(bytes(row.cpu().numpy()).rstrip(b"\0")) for row in rows]
+    block[: len(words)] = words
+    raw = _transport.all_gather_block(block, group)
+    rows = [raw[i : i + HEADER_BYTES] for i in range(0, len(raw), HEADER_BYTES)]
+    return [json.loads(row.rstrip(b"\0")) for row in rows]
 
 
 def _words(text: str, error: str) -> bytes:
@@ -201,15 +195,27 @@ def _words(text: str, error: str) -> bytes:
         error = error[: len(error) // 2] + "..."
 
 
-def _header(call: Call, mine: Entry, payload: bytes) -> torch.Tensor:
-    fields = [_KINDS[call.kind], call.key, _STATUSES.index(mine.status), mine.length]
-    fields += [mine.root, mine.chunk, mine.code]
-    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    header[: 8 * _FIELDS].view(torch.int64)[:] = torch.tensor(fields, dtype=torch.int64)
+def _header(call: Call, mine: Entry, payload: bytes) -> bytearray:
+    """This rank's header: the fields, then the payload when it fits, zero-padded."""
+    block = bytearray(HEADER_BYTES)
+    fields = (_KINDS[call.kind], call.key, _STATUSES.index(mine.status), mine.length)
+    _LAYOUT.pack_into(block, 0, *fields, mine.root, mine.chunk, mine.code)
     if payload and _fits(mine):
-        inline = _transport.readonly_tensor(memoryview(payload))
-        header[8 * _FIELDS : 8 * _FIELDS + len(payload)] = inline
-    return header
+        block[_LAYOUT.size : _LAYOUT.size + len(payload)] = payload
+    return block
+
+
+def _parse(call: Call, members: list[int], raw: bytes) -> Headers:
+    """Every member's header from the gathered bytes, in group order."""
+    fields = [_LAYOUT.unpack_from(raw, i * HEADER_BYTES) for i in range(len(members))]
+    entries = [Entry(_STATUSES[s], n, r, c, x) for _, _, s, n, r, c, x in fields]
+    starts = [i * HEADER_BYTES + _LAYOUT.size for i in range(len(members))]
+    inline = [
+        raw[start : start + e.length] if _fits(e) else None
+        for start, e in zip(starts, entries, strict=True)
+    ]
+    kinds, keys = [f[0] for f in fields], [f[1] for f in fields]
+    return Headers(call, members, kinds, keys, entries, [], inline)
 
 
 def _fits(entry: Entry) -> bool:

@@ -223,11 +223,12 @@ def test_never_runs():
     assert result.exit_codes() == [1, 1], out
 
 
-def test_a_dead_rank_is_named_with_its_cause(pytester: pytest.Pytester) -> None:
-    source = """
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_dead_rank_is_named_with_its_cause(pytester: pytest.Pytester, dead: int) -> None:
+    source = f"""
 @pytest.mark.ranks(2)
-@pytest.mark.fault(rank=1, kind="signal", signal="SIGKILL")
-def test_rank_1_dies(rank):
+@pytest.mark.fault(rank={dead}, kind="signal", signal="SIGKILL")
+def test_a_rank_dies(rank):
     dist.barrier()
 
 def test_never_runs():
@@ -235,11 +236,15 @@ def test_never_runs():
 """
     result = torchrun(write(pytester, test_dies=source), 2)
     out = result.output
-    assert "rank 1 failed: process ended without an outcome" in out
+    assert f"rank {dead} failed: died of SIGKILL" in out
     assert "it died: SIGKILL at start, a fault injected by the harness" in out
     assert "test_dies.py::test_never_runs" in out.split("tests not run")[1]
-    assert junit_cases(result.junit) == {"test_rank_1_dies[ranks2]": "failure"}
-    assert sorted(result.exit_codes()) == [-9, 1], out  # rank 0 ends as the session says
+    assert result.sessions_reported == 1, out
+    if dead == 0:  # rank 1 speaks instead, without junit (rank 0 was to write it)
+        assert "rank 0 is gone" in out and "rank 1 reports" in out
+    else:
+        assert junit_cases(result.junit) == {"test_a_rank_dies[ranks2]": "failure"}
+    assert sorted(result.exit_codes()) == [-9, 1], out  # the other rank ends as agreed
 
 
 def test_ranks_that_collect_different_tests_stop_at_the_start(pytester: pytest.Pytester) -> None:
@@ -341,3 +346,158 @@ def test_rank_1_fails(rank, device):
     assert junit_cases(result.junit) == {"test_every_gpu": "passed", "test_rank_1_fails": "failure"}
     assert "rank 1 failed: raised AssertionError" in result.output
     assert result.exit_codes() == [1] * gpus, result.output
+
+
+# ---- ranks kept in step: found by an adversarial review ------------------------------------
+
+IN_STEP = """
+import subprocess, time
+
+@pytest.fixture(scope="session")
+def server():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield process
+    process.kill()
+    process.wait()
+
+def _where(tag):
+    return f"{tag} on rank {dist.get_rank()}"
+
+def test_a_plain_fails_on_rank_1_before_a_call(run_on_ranks):
+    assert os.environ["RANK"] != "1", "rank 1 stops here"
+    run_on_ranks(_where, "p1", timeout=30)
+
+def test_b_calls_pair_within_their_test(run_on_ranks):
+    assert run_on_ranks(_where, "p2").values == ["p2 on rank 0", "p2 on rank 1"]
+
+@pytest.fixture
+def slow_fixture():
+    time.sleep(4)  # the workload: set-up longer than the test's timeout
+
+@pytest.mark.ranks(2, timeout=3)
+def test_c_set_up_time_is_not_body_time(rank, slow_fixture):
+    dist.barrier()
+
+@pytest.mark.ranks(2)
+def test_d_a_session_fixtures_process_is_no_leftover(rank, server):
+    assert server.poll() is None
+
+def test_e_and_it_is_still_running(server):
+    assert server.poll() is None
+
+def test_f_a_plain_test_leaves_a_one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
+
+@pytest.mark.ranks(2)
+def test_g_the_session_group_is_back(rank):
+    assert dist.get_world_size() == 2
+
+_seen = {}
+
+@pytest.mark.ranks(2)
+def test_h_first_group(rank):
+    _seen["world"] = dist.group.WORLD
+
+@pytest.mark.ranks(2, fresh_group=True)
+def test_i_a_fresh_group_is_fresh(rank):
+    assert dist.group.WORLD is not _seen["world"]
+
+@pytest.fixture
+def fails_on_rank_0(rank):
+    if rank == 0:
+        raise RuntimeError("no data on rank 0")
+    dist.broadcast(torch.ones(1), 0)  # rank 1 waits on rank 0 here
+
+@pytest.mark.ranks(2, timeout=20)
+def test_j_set_up_fails_on_one_rank(rank, fails_on_rank_0):
+    pass
+
+@pytest.mark.ranks(2)
+def test_k_after(rank):
+    dist.barrier()
+"""
+
+FIXTURE_FAULTS = """
+@pytest.fixture
+def rank_faults():
+    return [harness.Fault(rank=1, kind="raise", exc=ValueError("from the fixture"))]
+
+@pytest.mark.ranks(2)
+def test_the_rank_faults_fixture_applies(rank):
+    dist.barrier()
+"""
+
+
+def test_ranks_stay_in_step_and_tests_do_not_touch_each_other(pytester: pytest.Pytester) -> None:
+    directory = write(
+        pytester, test_a_in_step=IN_STEP, test_b_faults="import harness\n" + FIXTURE_FAULTS
+    )
+    result = torchrun(directory, 2, f"--basetemp={directory / 'tmp'}")
+    out = result.output
+    assert "it had moved on to the end of test_a_in_step.py::test_a" in out, out
+    assert "rank 1 failed: raised ValueError: from the fixture" in out
+    assert "ERROR at setup of test_j_set_up_fails_on_one_rank[ranks2]" in out
+    assert "RuntimeError: no data on rank 0" in out
+    assert junit_cases(result.junit) == {
+        "test_a_plain_fails_on_rank_1_before_a_call": "failure",
+        "test_b_calls_pair_within_their_test": "passed",
+        "test_c_set_up_time_is_not_body_time[ranks2]": "passed",
+        "test_d_a_session_fixtures_process_is_no_leftover[ranks2]": "passed",
+        "test_e_and_it_is_still_running": "passed",
+        "test_f_a_plain_test_leaves_a_one_rank_group": "passed",
+        "test_g_the_session_group_is_back[ranks2]": "passed",
+        "test_h_first_group[ranks2]": "passed",
+        "test_i_a_fresh_group_is_fresh[ranks2]": "passed",
+        "test_j_set_up_fails_on_one_rank[ranks2]": "error",
+        "test_k_after[ranks2]": "passed",
+        "test_the_rank_faults_fixture_applies[ranks2]": "failure",
+    }
+    assert result.exit_codes() == [1, 1], out
+
+
+def test_a_plain_test_failing_on_one_rank_fails_everywhere_and_x_stops_all(
+    pytester: pytest.Pytester,
+) -> None:
+    source = """
+def test_fails_on_rank_1_only():
+    assert os.environ["RANK"] != "1", "only rank 1 sees this"
+
+def test_never_runs():
+    pass
+"""
+    result = torchrun(write(pytester, test_plain=source), 2, "-x")
+    assert "rank 1 failed this test (it did not fail on rank 0)" in result.output
+    assert "only rank 1 sees this" in result.output
+    assert junit_cases(result.junit) == {"test_fails_on_rank_1_only": "failure"}
+    assert result.exit_codes() == [1, 1], result.output
+
+
+def test_a_rank_dying_between_rank_tests_fails_the_test_it_was_in(
+    pytester: pytest.Pytester,
+) -> None:
+    source = """
+def test_rank_1_exits_hard():
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+
+def test_never_runs():
+    pass
+"""
+    result = torchrun(write(pytester, test_gone=source), 2)
+    out = result.output
+    assert "not every rank finished this test: rank 1:" in out
+    assert junit_cases(result.junit) == {"test_rank_1_exits_hard": "failure"}
+    assert sorted(result.exit_codes()) == [1, 7], out
+
+
+def test_a_sigterm_fault_kills_its_rank_as_on_warm_ranks(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="signal", signal="SIGTERM")
+@pytest.mark.expect(rank=1, does=killed(signal.SIGTERM), others=returns())
+def test_killed_as_expected(rank):
+    pass
+"""
+    result = torchrun(write(pytester, test_term=source), 2)
+    assert junit_cases(result.junit) == {"test_killed_as_expected[ranks2]": "passed"}
+    assert sorted(result.exit_codes()) == [-15, 1], result.output  # the session ended there

@@ -14,6 +14,7 @@ import pytest
 import rankwise as rw
 import torch
 import torch.distributed as dist
+from rankwise import _transport
 
 from harness import Ending
 
@@ -336,6 +337,17 @@ def test_values_too_large_for_the_header_travel_after_it(rank: int) -> None:
     assert [int(t.numel()) for t in sizes] == [1, 1, 5000, 1]
     big = rw.broadcast_from("big", lambda: torch.arange(5000.0), src=3)
     assert torch.equal(big, torch.arange(5000.0))
+
+
+@pytest.mark.ranks(4)
+def test_the_header_exchange_gives_every_rank_every_block_in_group_order(rank: int) -> None:
+    # On gloo an all-to-all: each rank's block must land in its group slot on every rank.
+    blocks = [bytes([r]) * 4096 for r in range(4)]
+    assert _transport.all_gather_block(blocks[rank]) == b"".join(blocks)
+    odd = dist.new_group([1, 3])
+    if rank in (1, 3):
+        assert _transport.all_gather_block(b"r%d" % rank, odd) == b"r1r3"
+    dist.barrier()
 
 
 def _broadcast_from_a_different_src() -> Any:

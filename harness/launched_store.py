@@ -1,0 +1,134 @@
+"""The launched ranks' meeting place: the launch's store, with waits that know their peers.
+
+Every exchange is "publish mine, wait for every rank's" under one key. A wait gives up on a
+peer early, with the reason, when the peer shows no sign of life (its heartbeat stopped) or
+has moved past the test being exchanged (it will never publish); otherwise it waits for its
+bound, and a few seconds at most once the launcher is stopping the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from harness.launch_detect import Launch
+
+HEARTBEAT_S = 1.0  # how often each rank says it is alive
+SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone
+STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
+_FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
+_LAST_POLL_S = 0.05
+_ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
+
+
+class Peers:
+    """This rank's client of the launch's store, under a prefix of this attempt of the job."""
+
+    def __init__(self, launch: Launch, timeout_s: float) -> None:
+        base = dist.TCPStore(  # type: ignore[attr-defined]
+            launch.master_addr,
+            launch.master_port,
+            world_size=launch.world_size,
+            is_master=launch.rank == 0 and not launch.agent_store,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        # A restart after a membership change keeps TORCHELASTIC_RESTART_COUNT: count the
+        # arrivals instead, so a new attempt never reads the last one's keys.
+        arrival = base.add(f"harness/{launch.run_key}/arrivals", 1) - 1
+        prefix = f"harness/{launch.run_key}/{arrival // launch.world_size}"
+        self.store: Any = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        self.rank, self.world_size = launch.rank, launch.world_size
+        self.stopping = False  # set when the launcher's SIGTERM came
+        self.position: Callable[[], int] = lambda: 0  # where this rank is (see at/<rank>)
+        self.name_of: Callable[[int], str] = str  # that place, in words
+        self._tick = threading.Event()  # never set: a bounded pause between polls
+        self._beats: dict[int, tuple[bytes, float]] = {}  # last heartbeat seen, and when
+
+    def put(self, key: str, value: bytes | str) -> None:
+        self.store.set(key, value)
+
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def read(self, key: str) -> bytes | None:
+        return self.store.get(key) if self.has(key) else None
+
+    def drop(self, keys: list[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+
+    def beat(self) -> None:
+        """Say this rank is alive (a thread calls it every HEARTBEAT_S)."""
+        self.put(f"beat/{self.rank}", str(time.monotonic()))
+
+    def gather(
+        self, name: str, value: bytes | str | None, seconds: float, skip: set[int]
+    ) -> tuple[list[bytes | None], dict[int, str]]:
+        """Every rank's value under `name` (None where absent) and why each absent one is.
+
+        `value` None keeps what this rank published there already; ranks in `skip` (known
+        to be gone) are not waited for.
+        """
+        if value is not None:
+            self.put(f"{name}/{self.rank}", value)
+        keys = [f"{name}/{r}" for r in range(self.world_size)]
+        awaited = {r for r in range(self.world_size) if r not in skip and r != self.rank}
+        absent = self._await(keys, awaited, seconds)
+        values = [self.read(k) if r not in skip else None for r, k in enumerate(keys)]
+        reasons = {r: absent.get(r, "gone before") for r, v in enumerate(values) if v is None}
+        return values, reasons
+
+    def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
+        start = time.monotonic()
+        pause, looked = _FIRST_POLL_S, start
+        given_up: dict[int, str] = {}
+        while True:
+            waiting = [r for r in awaited if r not in given_up]
+            if not waiting or self.store.check([keys[r] for r in waiting]):
+                return given_up
+            now = time.monotonic()
+            waited = now - start
+            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S):
+                missing = [r for r in waiting if not self.has(keys[r])]
+                return given_up | {r: self._late(r, waited) for r in missing}
+            if now - looked >= _ABSENTEES_EVERY_S:
+                looked = now
+                given_up |= self._absentees([r for r in waiting if not self.has(keys[r])])
+            self._tick.wait(pause)
+            pause = min(pause * 2, _LAST_POLL_S)
+
+    def _absentees(self, ranks: list[int]) -> dict[int, str]:
+        """Peers not worth waiting for: silent ones, and ones already past this test."""
+        found = {}
+        for r in ranks:
+            if self._silent(r):
+                found[r] = f"no sign of life for {SILENT_AFTER_S:g} s: its process ended"
+            elif (at := self._at(r)) > self.position():
+                found[r] = f"it had moved on to {self.name_of(at)} (ranks out of step)"
+        return found
+
+    def _silent(self, rank: int) -> bool:
+        beat = self.read(f"beat/{rank}") or b""
+        seen = self._beats.get(rank)
+        now = time.monotonic()
+        if seen is None or seen[0] != beat:
+            self._beats[rank] = (beat, now)
+            return False
+        return now - seen[1] > SILENT_AFTER_S
+
+    def _at(self, rank: int) -> int:
+        found = self.read(f"at/{rank}")
+        return int(found) if found else -1
+
+    def _late(self, rank: int, waited: float) -> str:
+        at = self._at(rank)
+        where = "before the first test" if at < 0 else f"at {self.name_of(at)}"
+        return f"it did not answer within {waited:.3g} s (it was {where})"
