@@ -38,6 +38,9 @@ from harness.outcome import Ending, RankOutcome
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.
 AGREE_S = 300.0
+# How long a rank waits for live peers to arrive at a test or finish its set-up: ranks run
+# fixtures and tests without ranks each on their own, so one may be slower than another.
+ARRIVE_S = 600.0
 # How long past a test's timeout a rank waits for its peers' outcomes: their own timers fire
 # at the timeout and need a moment to dump stacks and publish.
 OUTCOME_GRACE_S = 15.0
@@ -157,6 +160,9 @@ class LaunchedSession:
         if value is not None:
             self._track(f"{name}/{self.rank}")
         found, self.absent = self.peers.gather(name, value, seconds, set(self.lost))
+        if not self.absent:  # every rank is at this test: all have read the earlier tests' keys
+            for old in [i for i in self._written if i < self.index]:
+                self.peers.drop(self._written.pop(old))
         return found
 
     # ---- agreements ----------------------------------------------------------------------
@@ -203,9 +209,6 @@ class LaunchedSession:
         self.index = self.collected.index(nodeid) if nodeid in self.collected else self.index
         self.calls = 0
         self.at(2 * self.index)
-        for old in [i for i in self._written if i < self.index - 1]:
-            assert self.peers is not None
-            self.peers.drop(self._written.pop(old))  # every rank has read them by now
 
     def at(self, stage: int) -> None:
         """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""

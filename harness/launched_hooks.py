@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from harness.launched import LaunchedSession
 
 
+# The launched session of this process, for the one hook pytest gives no config (internalerror).
+_launched_sessions: list[LaunchedSession] = []
+
+
 def active(config: pytest.Config) -> bool:
     return settings_of(config).launched is not None
 
@@ -43,7 +47,7 @@ def configure(config: pytest.Config, launch: Launch) -> None:
         )
     from harness.launched import start
 
-    start(config, launch, settings_of(config).backend)
+    _launched_sessions.append(start(config, launch, settings_of(config).backend))
 
 
 def session_start(session: pytest.Session) -> None:
@@ -111,6 +115,15 @@ def begin(item: pytest.Item) -> None:
 # How long a rank waits for the others to finish a test without ranks (each runs it on its
 # own): a test that much slower on one rank than on another reads as ranks out of step.
 PLAIN_WAIT_S = 600.0
+
+
+def internal_error(text: str) -> None:
+    """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
+    launched = _launched_sessions[-1] if _launched_sessions else None
+    if launched is not None and launched.real_writer is not None:
+        from harness.launched import loud
+
+        loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{text}")
 
 
 def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:

@@ -101,18 +101,25 @@ class Peers:
                 return given_up | {r: self._late(r, waited) for r in missing}
             if now - looked >= _ABSENTEES_EVERY_S:
                 looked = now
-                given_up |= self._absentees([r for r in waiting if not self.has(keys[r])])
+                given_up |= self._absentees(keys, waiting)
             self._tick.wait(pause)
             pause = min(pause * 2, _LAST_POLL_S)
 
-    def _absentees(self, ranks: list[int]) -> dict[int, str]:
-        """Peers not worth waiting for: silent ones, and ones already past this test."""
+    def _absentees(self, keys: list[str], ranks: list[int]) -> dict[int, str]:
+        """Peers not worth waiting for: silent ones, and ones already past this exchange.
+
+        A rank publishes before it moves on, so its place is read first and its key after:
+        a rank seen past this point whose key is still missing will never publish it.
+        """
         found = {}
         for r in ranks:
-            if self._silent(r):
-                found[r] = f"no sign of life for {SILENT_AFTER_S:g} s: its process ended"
-            elif (at := self._at(r)) > self.position():
+            at = self._at(r)
+            if self.has(keys[r]):
+                continue
+            if at > self.position():
                 found[r] = f"it had moved on to {self.name_of(at)} (ranks out of step)"
+            elif self._silent(r):
+                found[r] = f"no sign of life for {SILENT_AFTER_S:g} s: its process ended"
         return found
 
     def _silent(self, rank: int) -> bool:

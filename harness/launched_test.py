@@ -19,7 +19,7 @@ from _pytest.outcomes import Exit
 
 from harness import endings, hygiene, rank_warnings, reaper, runner
 from harness.faults import Injector
-from harness.launched import OUTCOME_GRACE_S, LaunchedSession
+from harness.launched import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched_watch import HangTimer, Where
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec
@@ -51,7 +51,7 @@ def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -
 def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
         session.drop_group()  # the test sets its own up, from torchrun's environment
-    elif not session.agree_on_group(key, spec.timeout_s, spec.fresh_group):
+    elif not session.agree_on_group(key, ARRIVE_S, spec.fresh_group):
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
         raise runner.HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
@@ -73,7 +73,7 @@ def agree_on_set_up(
     said = "" if error is None else _said(error)
     if error is not None and type(error).__name__ != "Skipped":
         session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
-    found = session.gather(f"{key}/setup", said, spec.timeout_s)
+    found = session.gather(f"{key}/setup", said, ARRIVE_S)
     by_rank = {r: (blob.decode() if blob is not None else None) for r, blob in enumerate(found)}
     failed = {r: s for r, s in by_rank.items() if s}
     if any(s is None for s in by_rank.values()):

@@ -165,6 +165,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
+    launched_hooks.internal_error(str(excrepr))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     launched_hooks.terminal_summary(terminalreporter)
 

@@ -28,6 +28,7 @@ def test_importing_harness_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False", result.stderr
 
 
+@pytest.mark.slow
 def test_importing_rankwise_imports_torch_and_nothing_of_the_harness() -> None:
     result = _python(
         "import rankwise, sys; print(sorted(m for m in sys.modules"
@@ -36,6 +37,7 @@ def test_importing_rankwise_imports_torch_and_nothing_of_the_harness() -> None:
     assert result.stdout.strip() == "[]", result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autoload", ["1", ""], ids=["autoload-off", "autoload-on"])
 def test_dash_p_harness_registers_the_plugin_once(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, autoload: str

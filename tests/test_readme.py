@@ -41,6 +41,7 @@ def test_the_readme_has_both_kinds_of_snippet() -> None:
     assert len(SCRIPTS) >= 4 and len(TEST_FILES) >= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", SCRIPTS, ids=[f"script{i}" for i in range(len(SCRIPTS))])
 def test_a_readme_script_runs_as_written(code: str, tmp_path: Path) -> None:
     result = subprocess.run(
@@ -55,6 +56,7 @@ def test_a_readme_script_runs_as_written(code: str, tmp_path: Path) -> None:
     assert result.returncode == 0, f"{code}\n--- stderr ---\n{result.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_the_readme_tests_pass_as_written(tmp_path: Path) -> None:
     for i, code in enumerate(TEST_FILES):
         (tmp_path / f"test_readme_{i}.py").write_text(code)

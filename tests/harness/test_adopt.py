@@ -129,6 +129,7 @@ class TestSetUpClass(TwoRanks):
 )
 
 
+@pytest.mark.slow
 def test_adopted_cases_get_strict_verdicts_and_root_cause_first(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_cases=PROCESS_CASES)
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rs", "-v")
@@ -192,12 +193,14 @@ def test_torchs_own_subclasses_are_adopted(inner: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*not adopted*")
 
 
+@pytest.mark.slow
 def test_without_the_option_a_rank_exit_passes_as_under_torch(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_cases=PROCESS_CASES)
     result = pytester.runpytest_subprocess("-p", "harness", "-k", "test_exit_on_rank1", timeout=120)
     result.assert_outcomes(passed=1)  # the false green the adoption turns red
 
 
+@pytest.mark.slow
 def test_a_class_that_joins_its_own_way_runs_as_before_with_the_reason(
     pytester: pytest.Pytester,
 ) -> None:
@@ -261,6 +264,7 @@ def test_spawn_hang():
 )
 
 
+@pytest.mark.slow
 def test_a_hang_is_bounded_with_every_ranks_stack(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_cases=HANGS)
     # pytest-timeout's bound becomes the harness's, and its own timer stays off.
@@ -317,6 +321,7 @@ class TestContinuous(MultiProcContinuousTest):
 """
 
 
+@pytest.mark.slow
 def test_continuous_cases_run_one_by_one_and_a_failure_poisons_nothing(
     inner: pytest.Pytester,
 ) -> None:

@@ -58,6 +58,7 @@ def test_a_hang_is_reported_with_stacks_and_the_session_goes_on(inner: pytest.Py
     ],
     ids=["option", "ini", "timeout-marker", "timeout-ini", "timeout-option"],
 )
+@pytest.mark.slow
 def test_every_timeout_source_bounds_the_ranks_with_one_timer(
     pytester: pytest.Pytester, ini: str, args: list[str], marks: str
 ) -> None:
@@ -101,6 +102,7 @@ def test_ini_options_set_the_world(pytester: pytest.Pytester) -> None:
     pytester.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_no_rank_behind(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=120)"))
     proc = subprocess.Popen(
@@ -121,6 +123,7 @@ def test_ctrl_c_leaves_no_rank_behind(pytester: pytest.Pytester) -> None:
         kill_quietly(read_pids(pytester.path))
 
 
+@pytest.mark.slow
 def test_a_killed_pytest_takes_its_ranks_with_it(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=120)"))
     proc = subprocess.Popen(
@@ -139,6 +142,7 @@ def test_a_killed_pytest_takes_its_ranks_with_it(pytester: pytest.Pytester) -> N
         kill_quietly(read_pids(pytester.path))
 
 
+@pytest.mark.slow
 def test_a_finished_session_leaves_no_process(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -157,6 +161,7 @@ def test_a_finished_session_leaves_no_process(pytester: pytest.Pytester) -> None
     assert not [p for p in pids if alive(p)]
 
 
+@pytest.mark.slow
 def test_xdist_workers_each_own_their_pools(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -196,6 +201,7 @@ def test_nccl_without_gpus_is_skipped_with_the_reason(inner: pytest.Pytester) ->
     result.stdout.fnmatch_lines(["*needs 2 CUDA GPU(s), this machine has 0*"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 def test_other_start_methods(pytester: pytest.Pytester, method: str) -> None:
     pytester.makepyfile(

@@ -76,6 +76,7 @@ def test_others_still_run():
     )
 
 
+@pytest.mark.slow
 def test_leftover_processes_at_session_end_fail_the_session(inner: pytest.Pytester) -> None:
     inner.makeconftest(
         """

@@ -75,6 +75,7 @@ def test_next_is_clean(rank):
     assert not [p for p in pids if alive(p)]  # killed at each test's end, allowed or not
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "normal end"])
 def test_no_descendant_outlives_pytest(pytester: pytest.Pytester, how: str) -> None:
     hang = "(timeout=3)" if how == "normal end" else "(timeout=120)"

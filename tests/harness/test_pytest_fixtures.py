@@ -79,6 +79,7 @@ def test_each_rank_has_its_own_tmp_path(inner: pytest.Pytester) -> None:
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
@@ -194,6 +195,7 @@ def test_xunit_setup_method_state_reaches_the_rank(inner: pytest.Pytester) -> No
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", [True, False], ids=["package", "rootdir-relative"])
 def test_importlib_mode_and_rootdir_packages(pytester: pytest.Pytester, package: bool) -> None:
     pytester.makeini("[pytest]\nrank_timeout = 30\n")

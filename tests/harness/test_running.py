@@ -266,6 +266,7 @@ def test_monkeypatch_is_made_and_undone_in_each_rank(inner: pytest.Pytester) -> 
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
 
 
+@pytest.mark.slow
 def test_pytest_driven_from_stdin_starts_ranks(pytester: pytest.Pytester) -> None:
     import subprocess
     import sys
@@ -316,6 +317,7 @@ def test_run_on_ranks_rejects_bad_arguments_with_value_errors(inner: pytest.Pyte
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
 
 
+@pytest.mark.slow
 def test_last_failed_and_exit_first_work_with_rank_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

@@ -107,6 +107,7 @@ def test_an_error_in_a_rank_thread_is_reported_with_the_rank(threaded_world: Any
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_the_downstream_example_uses_only_the_documented_surface(pytester: pytest.Pytester) -> None:
     from pathlib import Path
 

@@ -141,6 +141,7 @@ def test_run_on_ranks_in_the_launch(run_on_ranks):
 """
 
 
+@pytest.mark.slow
 def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> None:
     result = torchrun(write(pytester, test_verdicts=VERDICTS), 2)
     out = result.output
@@ -167,6 +168,7 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
     assert result.exit_codes() == [1, 1], out  # every process ends with the same status
 
 
+@pytest.mark.slow
 def test_four_launched_ranks_name_the_root_cause(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.ranks(2, 4)
@@ -191,6 +193,7 @@ def test_after(rank):
     assert result.exit_codes() == [1, 1, 1, 1], result.output
 
 
+@pytest.mark.slow
 def test_a_passing_launch_exits_zero_everywhere(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.ranks
@@ -202,6 +205,7 @@ def test_ok(rank):
     assert junit_cases(result.junit) == {"test_ok": "passed"}
 
 
+@pytest.mark.slow
 def test_a_hang_is_reported_with_stacks_and_ends_the_session(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.ranks(2, timeout=3)
@@ -223,6 +227,7 @@ def test_never_runs():
     assert result.exit_codes() == [1, 1], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dead", [1, 0])
 def test_a_dead_rank_is_named_with_its_cause(pytester: pytest.Pytester, dead: int) -> None:
     source = f"""
@@ -247,6 +252,7 @@ def test_never_runs():
     assert sorted(result.exit_codes()) == [-9, 1], out  # the other rank ends as agreed
 
 
+@pytest.mark.slow
 def test_ranks_that_collect_different_tests_stop_at_the_start(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.parametrize("i", range(3 if os.environ["RANK"] == "1" else 2))
@@ -312,6 +318,7 @@ def test_a_broken_launch_environment_says_what_to_fix(change: dict[str, str], sa
     assert "HARNESS_LAUNCHED=0" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_xdist_under_a_launch_is_refused(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_x="def test_x():\n    pass\n")
     env = {**TORCHRUN, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
@@ -323,6 +330,7 @@ def test_xdist_under_a_launch_is_refused(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*under torchrun every launched process is one rank*-n 2*"])
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_an_nccl_launch_over_every_gpu(pytester: pytest.Pytester) -> None:
     import torch
@@ -428,6 +436,7 @@ def test_the_rank_faults_fixture_applies(rank):
 """
 
 
+@pytest.mark.slow
 def test_ranks_stay_in_step_and_tests_do_not_touch_each_other(pytester: pytest.Pytester) -> None:
     directory = write(
         pytester, test_a_in_step=IN_STEP, test_b_faults="import harness\n" + FIXTURE_FAULTS
@@ -455,6 +464,7 @@ def test_ranks_stay_in_step_and_tests_do_not_touch_each_other(pytester: pytest.P
     assert result.exit_codes() == [1, 1], out
 
 
+@pytest.mark.slow
 def test_a_plain_test_failing_on_one_rank_fails_everywhere_and_x_stops_all(
     pytester: pytest.Pytester,
 ) -> None:
@@ -472,6 +482,7 @@ def test_never_runs():
     assert result.exit_codes() == [1, 1], result.output
 
 
+@pytest.mark.slow
 def test_a_rank_dying_between_rank_tests_fails_the_test_it_was_in(
     pytester: pytest.Pytester,
 ) -> None:
@@ -490,6 +501,7 @@ def test_never_runs():
     assert sorted(result.exit_codes()) == [1, 7], out
 
 
+@pytest.mark.slow
 def test_a_sigterm_fault_kills_its_rank_as_on_warm_ranks(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.ranks(2)
