@@ -54,6 +54,7 @@ def test_dash_p_harness_registers_the_plugin_once(
     help_text.stdout.fnmatch_lines(["*--ranks=N*", "*--rank-timeout=S*"])
 
 
+@pytest.mark.slow
 def test_no_harness_opts_out(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_plain():\n    assert True\n")
     result = pytester.runpytest_subprocess("-p", "no:harness")

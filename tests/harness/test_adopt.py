@@ -186,6 +186,7 @@ class TestDistributedBase(DistributedTestBase):
 """
 
 
+@pytest.mark.slow
 def test_torchs_own_subclasses_are_adopted(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_real=REAL_BASES)
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-v")
