@@ -133,6 +133,15 @@ def test_group_is_back(rank, shared_tmp_path):
     dist.all_reduce(t)
     assert t.item() == 2 and len(list(shared_tmp_path.iterdir())) == 2
 
+def test_fake_world_works_in_one_process(fake_world):
+    fake_world(64, rank=3)
+    assert dist.get_world_size() == 64 and dist.get_rank() == 3
+
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="raise", at="all_reduce:sizes")
+def test_a_fault_at_a_rankwise_label(rank):
+    rw.all_reduce("sizes", lambda: rank, sum)
+
 def _value(scale):
     return dist.get_rank() * scale
 
@@ -163,7 +172,10 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
         "test_launch_mode_makes_its_own_group[ranks2]": "passed",
         "test_group_is_back[ranks2]": "passed",
         "test_run_on_ranks_in_the_launch": "passed",
+        "test_fake_world_works_in_one_process": "passed",
+        "test_a_fault_at_a_rankwise_label[ranks2]": "failure",
     }
+    assert "rank 1 failed: raised RuntimeError: fault injected by the harness on rank 1" in out
     assert result.returncode != 0
     assert result.exit_codes() == [1, 1], out  # every process ends with the same status
 
