@@ -21,7 +21,7 @@ from harness import endings, hygiene, rank_warnings, reaper, runner
 from harness.faults import Injector
 from harness.launched import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched_watch import HangTimer, Where
-from harness.outcome import Ending, RankOutcome
+from harness.outcome import Ending, RankOutcome, ranks_phrase
 from harness.protocol import RankSpec
 
 endings.skip_frames_of(__file__)
@@ -96,7 +96,7 @@ def agree_on_set_up(
         return  # this rank raises its own error (or skip, when every rank skipped)
     if skips and len(skips) < session.world_size:
         pytest.fail(
-            f"{_ranks(sorted(skips))} skipped in set-up ({next(iter(skips.values()))}) while "
+            f"{ranks_phrase(sorted(skips))} skipped in set-up ({next(iter(skips.values()))}) while "
             f"the others set up: skip on every rank or on none",
             pytrace=False,
         )
@@ -106,10 +106,6 @@ def _said(error: BaseException) -> str:
     if type(error).__name__ == "Skipped":
         return f"skip: {getattr(error, 'msg', error)}"
     return f"{type(error).__name__}: {error}".strip() or type(error).__name__
-
-
-def _ranks(ranks: list[int]) -> str:
-    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def run(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> None:
