@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
     """Before the class's setUpClass: a continuous class spawns nothing from now on."""
-    cls = getattr(item, "cls", None)
-    if _kind(item) == "continuous" and "_spawn_processes" not in vars(cls):
+    cls = getattr(item, "cls", None) if _kind(item) == "continuous" else None
+    if cls is not None and "_spawn_processes" not in vars(cls):
         _session(item.config).undo.append(_patch_continuous_spawn(cls))
     return (yield)
 
@@ -133,10 +133,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def _kind(item: pytest.Item) -> Kind | None:
     """How `item` is adopted, or None (not asked for, not such a class, or not honourable)."""
+    if "torch" not in settings_of(item.config).adopt:  # first: item.cls walks the tree
+        return None
     cls = getattr(item, "cls", None)
     if not isinstance(cls, type) or not issubclass(cls, unittest.TestCase):
-        return None
-    if "torch" not in settings_of(item.config).adopt:
         return None
     session = _session(item.config)
     if cls not in session.kinds:

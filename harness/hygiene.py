@@ -8,10 +8,10 @@ as a test error naming the rank. A test that means to leave something opts out w
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
+from harness import environment
 from harness.errors import SpecError, invalid
 
 CHECKS = ("group", "threads", "env", "processes")
@@ -27,7 +27,7 @@ class Snapshot:
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), dict(os.environ))
+    return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), environment.variables())
 
 
 def findings(
@@ -62,11 +62,12 @@ def findings(
             found["threads"] = (
                 f"left non-daemon threads running: {', '.join(sorted(names))}; join them"
             )
-    if "env" in checks:
+    now = environment.variables() if "env" in checks else before.env
+    if now != before.env:
         changed = sorted(
             k
-            for k in set(before.env) | set(os.environ)
-            if before.env.get(k) != os.environ.get(k) and not k.startswith(LIBRARY_MANAGED)
+            for k in before.env.keys() | now.keys()
+            if before.env.get(k) != now.get(k) and not k.startswith(LIBRARY_MANAGED)
         )
         if changed:
             found["env"] = (

@@ -6,8 +6,9 @@ group is still the one the harness made (not destroyed or replaced); subgroups t
 are destroyed first. The pytest side reuses it only when every rank kept it (see ``Pools``),
 and tells a rank to drop it when a peer failed or is still running shortly after (a peer
 waiting on this rank in a collective must fail fast, not at the deadline). The next test
-starts with a bounded barrier on the kept group: ranks out of step fail it, and the harness
-then sets a fresh group up. Runs inside ranks.
+starts with a check among the ranks (see ``kept_check``): every rank must hold the group and
+have made as many operations on it as the others; a failed check makes the harness set a
+fresh group up. Runs inside ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-# How long the end-of-test barrier may take before the group counts as out of step.
+from harness.kept_check import UNKNOWN_OPS, Channel, Verdict
+
+# How long rank 0 waits for its peers at the check before the group counts as out of step.
 CHECK_S = 5.0
 
 
@@ -27,16 +30,21 @@ class _Group:
     id: str  # the store prefix it was made under: unique per pytest process
     pg: Any  # the default process group object
     before_test: frozenset[int]  # ids of the process groups that existed when the test began
+    channel: Channel | None  # to check the ranks are in step before the next test
+    ops: int  # the group's operation count on this rank at the last check
+    timeout: Any  # its timeout when made: a test that changed it leaves no group behind
     kept_after: str = ""  # the run after which it was kept
 
 
 _current: _Group | None = None
 
 
-def made(group_id: str) -> None:
-    """The harness has just set the default group `group_id` up for a test."""
+def made(group_id: str, channel: Channel | None) -> None:
+    """The harness has just set the default group `group_id` up for a test; without a
+    `channel` it is not kept after it."""
     global _current
-    _current = _Group(group_id, _default(), _groups())
+    forget()
+    _current = _Group(group_id, _default(), _groups(), channel, _ops(), _timeout())
 
 
 def reusable(group_id: str | None) -> bool:
@@ -46,20 +54,35 @@ def reusable(group_id: str | None) -> bool:
     return dist.is_initialized() and _default() is _current.pg
 
 
-def reuse() -> None:
-    """Start the next test on the kept group, once a bounded barrier finds every rank in step.
+def reuse(serial: int, wait_s: float) -> None:
+    """Start run `serial` on the kept group once every rank is there and in step; a peer
+    waits up to `wait_s` for rank 0's word.
 
-    Raises when it does not (a rank left a collective unfinished): the harness then retries
-    the set-up with a fresh group.
+    Raises when they are not (a rank without the group, or counts that differ: a send never
+    received, a collective left unfinished): the harness then retries with a fresh group.
     """
-    assert _current is not None
-    dist.monitored_barrier(timeout=timedelta(seconds=CHECK_S))
+    assert _current is not None and _current.channel is not None
+    ops = _ops()
+    since = UNKNOWN_OPS if ops == UNKNOWN_OPS else ops - _current.ops
+    verdict = _current.channel.check(serial, since, CHECK_S, wait_s)
+    if verdict is Verdict.FAIL:
+        raise RuntimeError(
+            "the kept process group's check failed: a rank is without it, late, or out of step"
+            " (its operation count differs); a fresh group is set up"
+        )
+    if verdict is Verdict.BARRIER:  # torch cannot count: are the collectives in step?
+        dist.monitored_barrier(timeout=timedelta(seconds=CHECK_S))
+    _current.ops = _ops()  # the barrier's own operations differ by rank
     _current.before_test = _groups()
 
 
 def keep(run_key: str) -> str | None:
     """After a clean return: keep the group if it is intact; its id, or None (tear it down)."""
-    if _current is None or not dist.is_initialized() or _default() is not _current.pg:
+    if _current is None or _current.channel is None:
+        return None
+    if not dist.is_initialized() or _default() is not _current.pg:
+        return None
+    if _timeout() != _current.timeout:  # the next test would run with this test's bound
         return None
     for group in list(_pg_map()):
         if id(group) not in _current.before_test:
@@ -75,6 +98,8 @@ def kept_after(run_key: str) -> bool:
 
 def forget() -> None:
     global _current
+    if _current is not None and _current.channel is not None:
+        _current.channel.close()  # peers checking with this rank fail at once
     _current = None
 
 
@@ -85,6 +110,24 @@ def _default() -> Any:
 def _pg_map() -> dict[Any, Any]:
     world: Any = dist.distributed_c10d._world
     return dict(world.pg_map)
+
+
+def _ops() -> int:
+    """How many operations this rank has made on the default group (collectives and
+    point-to-point alike)."""
+    try:
+        return int(_default()._get_sequence_number_for_group())
+    except Exception:  # a torch without it: every check falls back to the barrier
+        return UNKNOWN_OPS
+
+
+def _timeout() -> Any:
+    """The default group's timeout as its backends hold it (None where torch hides it)."""
+    try:
+        pg = _default()
+        return tuple(pg._get_backend(device).options._timeout for device in pg._device_types)
+    except Exception:
+        return None
 
 
 def _groups() -> frozenset[int]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import os
+import pickle
+import select
 import shutil
 import signal
 import sys
@@ -25,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import reaper
+from harness import environment, reaper
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
     Backend,
@@ -137,6 +140,8 @@ def _main_module_hidden() -> Iterator[None]:
 
 def tail(path: Path) -> str:
     try:
+        if os.stat(path).st_size == 0:
+            return ""  # what a rank mostly writes, known in one system call instead of five
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
@@ -227,6 +232,17 @@ class Pool:
     def pids(self) -> list[int]:
         return [slot.pid for slot in self.slots]
 
+    def alive(self) -> bool:
+        """Whether every rank still runs."""
+        if self.key.start_method != "forkserver":
+            return all(s.process.is_alive() for s in self.slots)
+        # The forkserver writes a rank's exit status to its sentinel: one poll for them all,
+        # where is_alive makes a selector per rank.
+        poll = select.poll()
+        for slot in self.slots:
+            poll.register(slot.process.sentinel, select.POLLIN)
+        return not poll.poll(0)
+
     def run(self, tasks: list[RunTask], live: bool = False) -> list[RankOutcome]:
         """Run one task per rank and return every rank's outcome, in rank order.
 
@@ -263,12 +279,18 @@ class _Run:
         self.timeout_s = timeout_s
         self.outcomes: dict[int, RankOutcome] = {}
         self.first_failure_at: float | None = None
+        # Every rank's pipe and process sentinel, polled for the whole run: a selector made
+        # per wait (multiprocessing.connection.wait) registers them all again every time.
+        self._poll = select.poll()
+        self._watched: dict[int, tuple[_Slot, bool]] = {}  # fd -> (slot, is its pipe)
 
     def collect(self) -> list[RankOutcome]:
         start = time.monotonic()
+        for slot in self.slots:
+            self._watch(slot)
         for slot, task in zip(self.slots, self.tasks, strict=False):
-            try:
-                slot.conn.send(Message(Kind.RUN, task))
+            try:  # plain pickle: a task needs none of ForkingPickler's reducers
+                slot.conn.send_bytes(pickle.dumps(Message(Kind.RUN, task), pickle.HIGHEST_PROTOCOL))
             except OSError:  # BrokenPipeError included: the rank is already dead
                 self._record_death(slot)
         deadline = start + self.timeout_s
@@ -319,14 +341,22 @@ class _Run:
     def _pending(self) -> list[_Slot]:
         return [s for s in self.slots if s.rank not in self.outcomes]
 
+    def _watch(self, slot: _Slot) -> None:
+        for fd, is_conn in ((slot.conn.fileno(), True), (slot.process.sentinel, False)):
+            self._poll.register(fd, select.POLLIN)
+            self._watched[fd] = (slot, is_conn)
+
+    def _unwatch(self, rank: int) -> None:
+        for fd, (slot, _) in list(self._watched.items()):
+            if slot.rank == rank:
+                self._poll.unregister(fd)
+                del self._watched[fd]
+
     def _wait_once(self, timeout: float) -> None:
-        waitables: dict[Any, tuple[_Slot, bool]] = {}
-        for slot in self._pending():
-            waitables[slot.conn] = (slot, True)
-            waitables[slot.process.sentinel] = (slot, False)
-        for ready in multiprocessing.connection.wait(list(waitables), timeout=timeout):
-            slot, is_conn = waitables[ready]
-            if slot.rank in self.outcomes:
+        ms = None if math.isinf(timeout) else math.ceil(timeout * 1000)
+        for fd, _ in self._poll.poll(ms):
+            slot, is_conn = self._watched.get(fd, (None, False))
+            if slot is None or slot.rank in self.outcomes:
                 continue
             if is_conn or slot.conn.poll():
                 self._receive(slot)
@@ -353,6 +383,7 @@ class _Run:
 
     def _record(self, outcome: RankOutcome) -> None:
         self.outcomes[outcome.rank] = outcome
+        self._unwatch(outcome.rank)
         if not outcome.ok and self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
 
@@ -412,7 +443,7 @@ class Pools:
 
     def get(self, key: PoolKey) -> Pool:
         pool = self._pools.get(key)
-        if pool is None or pool.broken or not all(s.process.is_alive() for s in pool.slots):
+        if pool is None or pool.broken or not pool.alive():
             self._kept.pop(key, None)  # new ranks hold no group
             if pool is not None:
                 pool.close()
@@ -432,7 +463,7 @@ class Pools:
         for attempt in range(1, SET_UP_ATTEMPTS + 1):
             remaining = deadline - time.monotonic()
             spec = replace(request.spec, timeout_s=remaining) if attempt > 1 else request.spec
-            outcomes = self._run_once(replace(request, spec=spec), attempt)
+            outcomes = self._run_once(replace(request, spec=spec), attempt, request.spec.timeout_s)
             if not all(o.setup_failed for o in outcomes):
                 return outcomes
             for outcome in outcomes:
@@ -441,7 +472,11 @@ class Pools:
                 break
         return outcomes
 
-    def _run_once(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
+    def _run_once(
+        self, request: RunRequest, setup_attempt: int, asked_timeout_s: float
+    ) -> list[RankOutcome]:
+        """One attempt; a group kept after it serves later tests asking `asked_timeout_s`
+        (a retry's group has a little less, under its margin over the test's bound)."""
         key = PoolKey.of(request.spec)
         pool = self.get(key)
         kept = self._kept.pop(key, None)  # a group is reused once, then kept again or not
@@ -451,34 +486,31 @@ class Pools:
         )
         serial = next(self._serial)
         launch_store = self._launch_store() if request.spec.launch else None
-        tasks = [
-            RunTask(
-                key=f"{os.getpid()}-{serial}",
-                rank=rank,
-                spec=request.spec,
-                target=request.target,
-                args_blob=request.args_blob,
-                store_host="127.0.0.1",
-                store_port=self.store.port,
-                store_prefix=f"run{serial}/",
-                launch_port=launch_store.port if launch_store is not None else None,
-                attempt=serial,
-                setup_attempt=setup_attempt,
-                reuse_group=reuse,
-                keep_group=spec.keeps_group,
-                sys_path=list(sys.path),
-                cwd=os.getcwd(),
-                env=dict(os.environ),
-            )
-            for rank in range(request.spec.world_size)
-        ]
+        task = RunTask(
+            key=f"{os.getpid()}-{serial}",
+            rank=0,
+            spec=request.spec,
+            target=request.target,
+            args_blob=request.args_blob,
+            store_host="127.0.0.1",
+            store_port=self.store.port,
+            store_prefix=f"run{serial}/",
+            launch_port=launch_store.port if launch_store is not None else None,
+            attempt=serial,
+            setup_attempt=setup_attempt,
+            reuse_group=reuse,
+            keep_group=spec.keeps_group,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            env=environment.variables(),
+        )
         try:
-            outcomes = pool.run(tasks, request.live)
+            outcomes = pool.run(task.for_ranks(request.spec.world_size), request.live)
         finally:
             del launch_store  # torchrun's agent store lives for the run only
         kept_ids = {o.kept_group for o in outcomes}
         if len(kept_ids) == 1 and None not in kept_ids and not pool.broken:
-            self._kept[key] = (kept_ids.pop() or "", spec.timeout_s)  # every rank kept it
+            self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
         return outcomes
 
     def _launch_store(self) -> Any:

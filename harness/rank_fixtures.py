@@ -83,6 +83,23 @@ class RankRequest:
             self._finalizers.pop()()
 
 
+# The fixtures RankFixtures.make makes (the others a rank fills in are plain values).
+MADE_HERE = frozenset(
+    {
+        "monkeypatch",
+        "capsys",
+        "capsysbinary",
+        "capfd",
+        "capfdbinary",
+        "caplog",
+        "recwarn",
+        "request",
+        "tmp_path",
+        "tmpdir",
+    }
+)
+
+
 class RankFixtures:
     """Makes the fixtures a test asked for in this rank, and undoes them after the body."""
 
@@ -93,6 +110,8 @@ class RankFixtures:
 
     def make(self, sent: dict[str, Any]) -> dict[str, Any]:
         """Values for the rank-side fixtures among `sent` (the pytest side's values)."""
+        if sent.keys().isdisjoint(MADE_HERE):
+            return {}  # most tests: no makers to build
         makers: dict[str, Callable[[Any], Any]] = {
             "monkeypatch": lambda _: self._stack.enter_context(pytest.MonkeyPatch.context()),
             "capsys": lambda _: self._capture("SysCapture"),

@@ -14,12 +14,15 @@ import io
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 STANDARD_FDS = (0, 1, 2)
+# The C function signal.getsignal wraps, without its enum lookup per signal (~1 us each).
+getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -27,7 +30,7 @@ _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 class Baseline:
     fds: dict[int, int]  # each standard fd -> a private duplicate of what it was
     streams: tuple[Any, Any, Any]  # sys.stdin, sys.stdout, sys.stderr
-    handlers: dict[signal.Signals, Any]  # the Python-level handler of each catchable signal
+    handlers: dict[signal.Signals, Any]  # each catchable signal's handler, as _signal reports it
     dtype: torch.dtype
     threads: int
 
@@ -42,7 +45,7 @@ def open_streams() -> tuple[Any, Any]:
 def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
     """The rank's state now; `skip_signals` are handled at the C level and restored elsewhere."""
     handlers = {
-        sig: signal.getsignal(sig)
+        sig: getsignal(sig)
         for sig in signal.valid_signals()
         if isinstance(sig, signal.Signals) and sig not in _UNCATCHABLE and sig not in skip_signals
     }
@@ -60,7 +63,7 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
     _restore_fds(base)
     _restore_streams(base)
     for sig, handler in base.handlers.items():
-        if signal.getsignal(sig) != handler:
+        if getsignal(sig) != handler:
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, handler)
     if torch.get_default_dtype() != base.dtype:

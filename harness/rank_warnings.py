@@ -10,10 +10,12 @@ show in the warnings summary. Imports no torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -35,16 +37,38 @@ def filters_for(config: pytest.Config, node: pytest.Item | None) -> WarningFilte
 @contextlib.contextmanager
 def recording(filters: WarningFilters) -> Iterator[list[warnings.WarningMessage]]:
     """In a rank: apply `filters` as pytest would around a test, and record what passes them."""
-    from _pytest.config import apply_warning_filters, parse_warning_filter
-
     with warnings.catch_warnings(record=True) as log:
         if not filters.python_warnoptions:  # pytest shows deprecations unless told otherwise
             warnings.filterwarnings("always", category=DeprecationWarning)
             warnings.filterwarnings("always", category=PendingDeprecationWarning)
-        apply_warning_filters(filters.config, filters.cmdline)
+        _apply_session_filters(filters.config, filters.cmdline)
         for arg in filters.marks:
-            warnings.filterwarnings(*parse_warning_filter(arg, escape=False))
+            warnings.filterwarnings(*_parsed(arg, escape=False))
         yield log
+
+
+def _apply_session_filters(config: tuple[str, ...], cmdline: tuple[str, ...]) -> None:
+    """pytest's apply_warning_filters, with each filter parsed once per rank (the same ones
+    come with every test)."""
+    try:
+        parsed = [_parsed(arg, escape=False) for arg in config]
+        parsed += [_parsed(arg, escape=True) for arg in cmdline]
+    except Exception:  # pytest's own handling of a filter it cannot parse, which varies
+        from _pytest.config import apply_warning_filters
+
+        apply_warning_filters(config, cmdline)
+        return
+    for args in parsed:
+        warnings.filterwarnings(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(arg: str, escape: bool) -> tuple[Any, ...]:
+    """A filter as pytest parses it (a split, an import, a regex escape); errors are not
+    cached. pytest caches its own parsing the same way, warning classes included."""
+    from _pytest.config import parse_warning_filter
+
+    return tuple(parse_warning_filter(arg, escape=escape))
 
 
 def collected(log: Sequence[warnings.WarningMessage]) -> list[RankWarning]:

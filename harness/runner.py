@@ -61,7 +61,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
 
 
 def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
-    extra = item._request.getfixturevalue("rank_faults")
+    extra = _fixture_faults(item)
     if not extra:
         return spec
     origin = f"the rank_faults fixture of {item.nodeid}"
@@ -70,6 +70,19 @@ def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
     except fault_specs.FaultError as exc:
         pytest.fail(str(exc), pytrace=False)
     return replace(spec, faults=spec.faults + more)
+
+
+def _fixture_faults(item: pytest.Function) -> Any:
+    """The rank_faults fixture's value for `item`, without pytest's fixture machinery (~0.1 ms a
+    test) where only the plugin's own definition, which returns none, is visible to it."""
+    if "rank_faults" in item.funcargs:  # the test asked for it: pytest has it already
+        return item.funcargs["rank_faults"]
+    try:
+        defs = item.session._fixturemanager.getfixturedefs("rank_faults", item) or ()
+        only_ours = len(defs) == 1 and defs[0].func.__module__ == "harness.plugin"
+    except Exception:  # another pytest's internals: ask pytest
+        only_ours = False
+    return [] if only_ours else item._request.getfixturevalue("rank_faults")
 
 
 def test_target(item: pytest.Function) -> Target:
@@ -171,15 +184,16 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
 def request_info(item: pytest.Function) -> RequestInfo:
     """What the test's ``request`` can tell a rank, as far as it can travel."""
     request: Any = item._request
-    inis = {name: _ini(item.config, name) for name in item.config._parser._inidict}
+    config = item.config
+    inis = {name: _ini(config, name) for name in config._parser._inidict}
     return RequestInfo(
         name=item.name,
         nodeid=item.nodeid,
         keywords=tuple(item.keywords),
         markers=tuple(_mark_that_travels(m) for m in item.iter_markers()),
         fixturenames=tuple(item.fixturenames),
-        options=_picklable(vars(item.config.option)),
-        ini=_picklable(inis),
+        options=_picklable_once(config, "options", vars(config.option)),
+        ini=_picklable_once(config, "ini", inis),
         has_param=hasattr(request, "param"),
         param=getattr(request, "param", None),
     )
@@ -200,6 +214,24 @@ def _mark_that_travels(mark: pytest.Mark) -> tuple[str, tuple[Any, ...], dict[st
 
 def _picklable(values: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if _pickles(value)}
+
+
+_travelling_key = pytest.StashKey[dict[str, tuple[dict[str, Any], dict[str, Any]]]]()
+
+
+def _picklable_once(config: pytest.Config, kind: str, values: dict[str, Any]) -> dict[str, Any]:
+    """_picklable(values), found again only when a value changed: the session's options and
+    ini values are the same for every test, and each is pickled to find out."""
+    cache = config.stash.setdefault(_travelling_key, {})
+    seen, found = cache.get(kind, (None, {}))
+    try:
+        same = seen == values
+    except Exception:  # a value that cannot say whether it equals another
+        same = False
+    if not same:
+        found = _picklable(values)
+        cache[kind] = (dict(values), found)
+    return found
 
 
 def _pickles(value: Any) -> bool:

@@ -17,6 +17,7 @@ import ast
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -34,8 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import endings, hygiene, kept_group, rank_state, rank_warnings, reaper
+from harness import endings, environment, hygiene, kept_group, rank_state, rank_warnings, reaper
 from harness.faults import Injector, rankwise_points
+from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import (
@@ -75,6 +77,7 @@ def main(conn: Any, files: RankFiles) -> None:
     where.install()
     global _baseline, _stack_file
     _baseline, _stack_file = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,)), stack_file
+    gc.freeze()  # what the rank starts with (torch) is never garbage: no collection walks it
     conn.send(Message(Kind.READY, Ready(os.getpid())))
     while True:
         try:
@@ -162,7 +165,7 @@ class _WhereBoard:
 
 def _serve(task: RunTask) -> RankOutcome:
     """Run one task on this rank and say how it ended; never raises."""
-    saved_env = dict(os.environ)
+    saved_env = environment.snapshot()
     cuda_device = rank_state.cuda_device()
     kept: str | None = None
     try:
@@ -188,8 +191,7 @@ def _serve(task: RunTask) -> RankOutcome:
     finally:
         if kept is None:
             _teardown_group()
-        os.environ.clear()
-        os.environ.update(saved_env)
+        environment.restore(saved_env)
         _restore(cuda_device)
 
 
@@ -211,8 +213,7 @@ def _enter_test_context(task: RunTask) -> None:
         sys.path[:] = task.sys_path
     os.chdir(task.cwd)
     if task.env:  # the ranks see the environment the test sees, as torchrun's children do
-        os.environ.clear()
-        os.environ.update(task.env)
+        environment.restore(environment.encoded(task.env))
     os.environ[IN_RANK_WORKER] = "1"  # a pytest started in here is no launched rank
     spec = task.spec
     if spec.threads is not None:  # restored after the test (rank_state)
@@ -227,21 +228,77 @@ def _enter_test_context(task: RunTask) -> None:
         return
     if spec.bare:  # as under torch.multiprocessing.spawn: the target makes its own group
         return
+    if task.reuse_group is not None:
+        _check_kept_group(task, reuse)
+    else:
+        _set_up_group(task)
+
+
+def _set_up_group(task: RunTask) -> None:
     store = dist.PrefixStore(  # type: ignore[attr-defined]
         task.store_prefix, _client_store(task)
     )
     error = ""
+    host: Channel | None = None
     try:
-        if reuse:
-            kept_group.reuse()
-        else:
-            _init_group(task, store)
-            kept_group.made(task.store_prefix)
+        _init_group(task, store)
+        if task.keep_group and task.rank == 0:
+            host = _host_check(store, task.spec.world_size)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    if task.reuse_group is not None and not reuse and not error:
-        error = "the kept process group is gone on this rank"  # the others retry fresh too
-    _agree_on_set_up(task, store, error)
+    try:
+        _agree_on_set_up(task, store, error)
+    except BaseException:
+        if host is not None:
+            host.close()
+        raise
+    channel = host
+    if task.keep_group and task.rank != 0:  # rank 0's port is in the store by now
+        channel = _join_check(task, store)
+    kept_group.made(task.store_prefix, channel)
+
+
+def _host_check(store: Any, world_size: int) -> Channel | None:
+    """Rank 0's end of the kept group's check, its port published to its peers."""
+    try:
+        channel = Channel.host(world_size)
+    except OSError:
+        store.set(_CHECK_PORT, "")  # no check, so the group is never kept
+        return None
+    try:
+        store.set(_CHECK_PORT, str(channel.port))
+    except BaseException:
+        channel.close()
+        raise
+    return channel
+
+
+def _join_check(task: RunTask, store: Any) -> Channel | None:
+    """A peer's end of the kept group's check; None (the group is not kept) if it fails."""
+    with contextlib.suppress(Exception):
+        port = store.get(_CHECK_PORT).decode()
+        if port:
+            return Channel.join(task.spec.world_size, task.rank, int(port), task.spec.timeout_s)
+    return None
+
+
+_CHECK_PORT = "check/port"
+
+
+def _check_kept_group(task: RunTask, held: bool) -> None:
+    """Start the body on the kept group only if every rank does; else raise on every rank.
+
+    The check (see kept_group.reuse) stands for a fresh set-up's store agreement: rank 0
+    says go only once every rank reported in step on this group, and the others go only on
+    its word. A rank that fails tears its group down, closing its end of the check, so its
+    peers fail at once; the pytest side then retries with a fresh group.
+    """
+    if not held:  # torn down here already, so peers waiting on it fail at once
+        raise _SetUpFailed(f"rank {task.rank}: the kept process group is gone on this rank")
+    try:
+        kept_group.reuse(task.attempt, task.spec.timeout_s)
+    except Exception as exc:
+        raise _SetUpFailed(f"rank {task.rank}: {type(exc).__name__}: {exc}") from None
 
 
 def _init_group(task: RunTask, store: Any) -> None:
@@ -318,9 +375,17 @@ def _launch_env(task: RunTask) -> dict[str, str]:
 
 def _teardown_group() -> None:
     kept_group.forget()
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    else:  # an init_process_group that failed (a peer gone mid-connect) took a group name:
+        # the next group here would take the next one, meet its peers under another store
+        # prefix, and hang. destroy_process_group resets the count the same way.
+        world: Any = dist.distributed_c10d._world
+        with contextlib.suppress(Exception):
+            world.group_count = 0
 
 
 def _run_target(task: RunTask, injector: Injector) -> RankOutcome:

@@ -119,11 +119,120 @@ def test_a_leaves_a_send_unreceived(rank):
         dist.isend(torch.ones(1), dst=1)  # rank 1 never receives it
 
 @pytest.mark.ranks(2)
+def test_b_gets_no_stale_message(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2], "counts that differ mean a fresh group"
+    t = torch.full((1,), 7.0)
+    if rank == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)  # on a kept group: the last test's 1.0
+    assert t.item() == 7.0
+
+@pytest.mark.ranks(2)
+def test_c_a_send_received(rank):
+    note_group()
+    t = torch.ones(1)
+    if rank == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)
+
+@pytest.mark.ranks(2)
+def test_d_kept_when_every_count_agrees(rank):
+    note_group()
+    assert SEEN[-1] is SEEN[-2]
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=4)
+
+
+def test_a_rank_without_the_kept_group_gets_every_rank_a_fresh_one(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        GROUPS
+        + """
+def lose_the_group_before_the_next_test():  # as if something took it away between tests
+    from harness import kept_group
+    real = kept_group.reusable
+    def once(group_id):
+        kept_group.reusable = real
+        return False
+    kept_group.reusable = once
+
+@pytest.mark.ranks(2)
+def test_a_rank_0_loses_it(rank):
+    note_group()
+    if rank == 0:
+        lose_the_group_before_the_next_test()
+
+@pytest.mark.ranks(2)
+def test_b_fresh(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+
+@pytest.mark.ranks(2)
+def test_d_rank_1_loses_it(rank):
+    note_group()
+    assert SEEN[-1] is SEEN[-2]
+    if rank == 1:
+        lose_the_group_before_the_next_test()
+
+@pytest.mark.ranks(2)
+def test_e_fresh(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=4)
+
+
+def test_a_collective_left_unfinished_gets_a_fresh_group(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+def test_a_leaves_an_all_reduce_unmatched(rank):
+    note_group()
+    if rank == 0:
+        dist.all_reduce(torch.ones(2), async_op=True)  # rank 1 never joins it
+
+@pytest.mark.ranks(2)
 def test_b_still_correct(rank):
     note_group()
-    t = torch.full((1,), float(rank + 1))
+    assert SEEN[-1] is not SEEN[-2]
+    t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
-    assert t.item() == 3.0
+    assert t.tolist() == [3.0, 3.0]
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_a_test_that_changed_the_groups_timeout_gets_the_next_one_a_fresh_group(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        GROUPS
+        + """
+from datetime import timedelta
+
+SET_UP_WITH = []
+
+def group_timeout():
+    pg = c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu")).options._timeout
+
+@pytest.mark.ranks(2, timeout=30)
+def test_a_shortens_it(rank):
+    note_group()
+    SET_UP_WITH.append(group_timeout())
+    c10d._set_pg_timeout(timedelta(seconds=3), c10d._get_default_group())
+
+@pytest.mark.ranks(2, timeout=30)
+def test_b_has_the_harness_timeout(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2], "a group whose timeout a test changed is never reused"
+    assert group_timeout() == SET_UP_WITH[0] != timedelta(seconds=3)
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)

@@ -192,6 +192,29 @@ def test_launch_mode_gives_torchruns_environment_and_no_group(inner: pytest.Pyte
     inner.runpytest("-p", "harness").assert_outcomes(passed=3)
 
 
+def test_a_group_set_up_that_failed_in_a_test_leaves_no_trace(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        from datetime import timedelta
+        import pytest, torch, torch.distributed as dist
+        from harness import raises, returns
+
+        @pytest.mark.ranks(2, launch=True)
+        @pytest.mark.expect(rank=1, does=raises(Exception), others=returns())
+        def test_init_fails(rank):
+            if rank == 1:  # its peer never comes: the failed set-up took a group name
+                dist.init_process_group("gloo", timeout=timedelta(seconds=1))
+
+        @pytest.mark.ranks(2, timeout=20)
+        def test_next_group_comes_up(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_run_on_ranks_returns_every_ranks_outcome(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

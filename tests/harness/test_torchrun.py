@@ -214,7 +214,7 @@ def test_ok(rank):
 """
     result = torchrun(write(pytester, test_ok=source), 2)
     assert result.returncode == 0, result.output
-    assert junit_cases(result.junit) == {"test_ok": "passed"}
+    assert junit_cases(result.junit) == {"test_ok": "passed"}, result.output
 
 
 @pytest.mark.slow
@@ -235,7 +235,7 @@ def test_never_runs():
     assert "threading.Event().wait()" in out  # rank 1's stack, from the test's frame
     assert "hung in barrier [collateral]" in out
     assert "tests not run (1):" in out and "test_hang.py::test_never_runs" in out
-    assert junit_cases(result.junit) == {"test_rank_1_hangs[ranks2]": "failure"}
+    assert junit_cases(result.junit) == {"test_rank_1_hangs[ranks2]": "failure"}, result.output
     assert result.exit_codes() == [1, 1], out
 
 
@@ -260,7 +260,7 @@ def test_never_runs():
     if dead == 0:  # rank 1 speaks instead, without junit (rank 0 was to write it)
         assert "rank 0 is gone" in out and "rank 1 reports" in out
     else:
-        assert junit_cases(result.junit) == {"test_a_rank_dies[ranks2]": "failure"}
+        assert junit_cases(result.junit) == {"test_a_rank_dies[ranks2]": "failure"}, result.output
     assert sorted(result.exit_codes()) == [-9, 1], out  # the other rank ends as agreed
 
 
@@ -363,7 +363,10 @@ def test_rank_1_fails(rank, device):
     assert rank != 1
 """
     result = torchrun(write(pytester, test_nccl=source), gpus)
-    assert junit_cases(result.junit) == {"test_every_gpu": "passed", "test_rank_1_fails": "failure"}
+    assert junit_cases(result.junit) == {
+        "test_every_gpu": "passed",
+        "test_rank_1_fails": "failure",
+    }, result.output
     assert "rank 1 failed: raised AssertionError" in result.output
     assert result.exit_codes() == [1] * gpus, result.output
 
@@ -490,7 +493,7 @@ def test_never_runs():
     result = torchrun(write(pytester, test_plain=source), 2, "-x")
     assert "rank 1 failed this test (it did not fail on rank 0)" in result.output
     assert "only rank 1 sees this" in result.output
-    assert junit_cases(result.junit) == {"test_fails_on_rank_1_only": "failure"}
+    assert junit_cases(result.junit) == {"test_fails_on_rank_1_only": "failure"}, result.output
     assert result.exit_codes() == [1, 1], result.output
 
 
@@ -509,7 +512,7 @@ def test_never_runs():
     result = torchrun(write(pytester, test_gone=source), 2)
     out = result.output
     assert "not every rank finished this test: rank 1:" in out
-    assert junit_cases(result.junit) == {"test_rank_1_exits_hard": "failure"}
+    assert junit_cases(result.junit) == {"test_rank_1_exits_hard": "failure"}, result.output
     assert sorted(result.exit_codes()) == [1, 7], out
 
 
@@ -523,5 +526,5 @@ def test_killed_as_expected(rank):
     pass
 """
     result = torchrun(write(pytester, test_term=source), 2)
-    assert junit_cases(result.junit) == {"test_killed_as_expected[ranks2]": "passed"}
+    assert junit_cases(result.junit) == {"test_killed_as_expected[ranks2]": "passed"}, result.output
     assert sorted(result.exit_codes()) == [-15, 1], result.output  # the session ended there
