@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from harness import group_release
 from harness.kept_check import UNKNOWN_OPS, Channel, Verdict
 
 # How long rank 0 waits for its peers at the check before the group counts as out of step.
@@ -84,9 +85,8 @@ def keep(run_key: str) -> str | None:
         return None
     if _timeout() != _current.timeout:  # the next test would run with this test's bound
         return None
-    for group in list(_pg_map()):
-        if id(group) not in _current.before_test:
-            dist.destroy_process_group(group)  # the test's subgroups die with the test
+    subgroups = [group for group in _pg_map() if id(group) not in _current.before_test]
+    group_release.destroy_each(subgroups)  # the test's subgroups die with the test
     _current.kept_after = run_key
     return _current.id
 

@@ -35,7 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import endings, environment, hygiene, kept_group, rank_state, rank_warnings, reaper
+from harness import (
+    endings,
+    environment,
+    group_release,
+    hygiene,
+    kept_group,
+    rank_state,
+    rank_warnings,
+    reaper,
+)
 from harness.faults import Injector, rankwise_points
 from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
@@ -379,7 +388,7 @@ def _teardown_group() -> None:
         return
     if dist.is_initialized():
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            group_release.destroy_all()
     else:  # an init_process_group that failed (a peer gone mid-connect) took a group name:
         # the next group here would take the next one, meet its peers under another store
         # prefix, and hang. destroy_process_group resets the count the same way.

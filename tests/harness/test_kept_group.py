@@ -236,3 +236,29 @@ def test_b_has_the_harness_timeout(rank):
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_groups_torn_down_are_freed_not_leaked(inner: pytest.Pytester) -> None:
+    # Freed on a thread of the rank (group_release): a reference left behind would keep each
+    # group's sockets and threads, about ten per test here.
+    inner.makepyfile(
+        GROUPS
+        + """
+import os
+
+COUNTS = []
+
+@pytest.mark.ranks(2, fresh_group=True)
+@pytest.mark.parametrize("i", range(24))
+def test_fresh(rank, i):
+    note_group()
+    COUNTS.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
+
+@pytest.mark.ranks(2)
+def test_counts_stay_flat(rank):
+    fds, tasks = zip(*COUNTS[4:])  # the first tests start the pools' own helpers
+    assert max(fds) - min(fds) <= 12, str(fds)
+    assert max(tasks) - min(tasks) <= 8, str(tasks)
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=25)

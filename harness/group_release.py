@@ -1,0 +1,70 @@
+"""Frees destroyed gloo process groups on threads of their own, so the next test need not wait.
+
+Freeing a gloo group blocks for about 20 ms whatever the world size (its transport's event
+loop is joined between two polls), with the GIL released (torch frees process groups without
+it). Done inline, every rank pays that at the end of each test with a fresh group, and the
+next set-up waits for the slowest rank's; handed to a thread, the rank answers at once and
+sets the next group up while the old one goes. Its sockets still close within milliseconds,
+so peers blocked on a failed rank fail as fast. Other backends (NCCL) are freed inline, as
+torch does. Runs inside ranks; the threads are daemons, which hygiene leaves alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+
+def destroy_all() -> None:
+    """dist.destroy_process_group() for every group, the gloo ones freed on threads."""
+    groups = _gloo_groups(list(_pg_map()))
+    try:
+        dist.destroy_process_group()
+    finally:
+        _hand_over(groups)
+
+
+def destroy_each(groups: list[Any]) -> None:
+    """dist.destroy_process_group(group) for each of `groups`, emptying the list so that the
+    caller keeps no reference: the gloo ones are then freed on threads."""
+    while groups:
+        group = groups.pop()
+        kept = _gloo_groups([group])
+        try:
+            dist.destroy_process_group(group)
+        finally:
+            del group
+            _hand_over(kept)
+
+
+def _hand_over(groups: list[Any]) -> None:
+    """One thread per group: freed one after another, groups torn down faster than one per
+    20 ms would pile up (with their sockets and threads); side by side their waits overlap."""
+    while groups:
+        box = [groups.pop()]  # the thread empties it: its reference is then the last
+        threading.Thread(
+            target=_free, args=(box,), name="harness-group-release", daemon=True
+        ).start()
+
+
+def _free(box: list[Any]) -> None:
+    group = box.pop()
+    del group  # the destructor runs here, without the GIL
+
+
+def _gloo_groups(groups: list[Any]) -> list[Any]:
+    found = []
+    for group in groups:
+        try:
+            if dist.get_backend(group) == "gloo":
+                found.append(group)
+        except Exception:  # a group torch no longer knows: left to torch
+            continue
+    return found
+
+
+def _pg_map() -> dict[Any, Any]:
+    world: Any = dist.distributed_c10d._world
+    return dict(world.pg_map)
