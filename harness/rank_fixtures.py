@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.protocol import RequestInfo
+from harness.protocol import RANK_SIDE_FIXTURES, RequestInfo
 
 
 class RankNode:
@@ -83,21 +83,8 @@ class RankRequest:
             self._finalizers.pop()()
 
 
-# The fixtures RankFixtures.make makes (the others a rank fills in are plain values).
-MADE_HERE = frozenset(
-    {
-        "monkeypatch",
-        "capsys",
-        "capsysbinary",
-        "capfd",
-        "capfdbinary",
-        "caplog",
-        "recwarn",
-        "request",
-        "tmp_path",
-        "tmpdir",
-    }
-)
+# The fixtures RankFixtures.make makes (the rank fills `rank` and `device` in as plain values).
+MADE_HERE = frozenset(RANK_SIDE_FIXTURES) - {"rank", "device"}
 
 
 class RankFixtures:
