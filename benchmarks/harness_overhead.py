@@ -504,7 +504,7 @@ def failure_section() -> list[str]:
     fails = {i: t for i, t in run["times"].items() if "test_fail" in i}
     mine = _after_first(fails)
     _last_failure_report = mine.median
-    next_id = next((i for i in run["outcomes"] if "::test_next" in i), None)  # [ranks4]
+    next_id = _test_id(run, "test_next")
     _last_next_test = run["outcomes"][next_id] if next_id else "no result"
     ours_exit = _outcome(run_pytest(OURS_EXIT, ["-p", "harness"]))
     lines.append(f"| harness | {mine.ms()} (the next test: {_last_next_test}) | {ours_exit} |")
@@ -535,7 +535,8 @@ def failure_section() -> list[str]:
 
 
 def _test_id(run: dict[str, Any], name: str) -> str | None:
-    return next((i for i in run["outcomes"] if i.endswith(f"::{name}")), None)
+    """The id of test `name` in `run`, with or without the harness's `[ranksN]`."""
+    return next((i for i in run["outcomes"] if i.endswith(f"::{name}") or f"::{name}[" in i), None)
 
 
 def _verdict(run: dict[str, Any], test_id: str | None, green: bool = False) -> str:

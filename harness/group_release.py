@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 def destroy_all() -> None:
     """dist.destroy_process_group() for every group, the gloo ones freed on threads."""
-    groups = _gloo_groups(list(_pg_map()))
+    groups = _gloo_groups(process_groups())
     try:
         dist.destroy_process_group()
     finally:
@@ -65,6 +65,7 @@ def _gloo_groups(groups: list[Any]) -> list[Any]:
     return found
 
 
-def _pg_map() -> dict[Any, Any]:
+def process_groups() -> list[Any]:
+    """Every process group torch knows on this rank now, the default one included."""
     world: Any = dist.distributed_c10d._world
-    return dict(world.pg_map)
+    return list(world.pg_map)

@@ -85,7 +85,9 @@ def keep(run_key: str) -> str | None:
         return None
     if _timeout() != _current.timeout:  # the next test would run with this test's bound
         return None
-    subgroups = [group for group in _pg_map() if id(group) not in _current.before_test]
+    subgroups = [
+        group for group in group_release.process_groups() if id(group) not in _current.before_test
+    ]
     group_release.destroy_each(subgroups)  # the test's subgroups die with the test
     _current.kept_after = run_key
     return _current.id
@@ -107,11 +109,6 @@ def _default() -> Any:
     return dist.distributed_c10d._get_default_group()
 
 
-def _pg_map() -> dict[Any, Any]:
-    world: Any = dist.distributed_c10d._world
-    return dict(world.pg_map)
-
-
 def _ops() -> int:
     """How many operations this rank has made on the default group (collectives and
     point-to-point alike)."""
@@ -131,4 +128,4 @@ def _timeout() -> Any:
 
 
 def _groups() -> frozenset[int]:
-    return frozenset(id(group) for group in _pg_map())
+    return frozenset(id(group) for group in group_release.process_groups())

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import math
 import multiprocessing
-import multiprocessing.connection
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import os
 import pickle
