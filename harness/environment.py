@@ -35,6 +35,8 @@ class _Converter:
         self._result: dict[Any, Any] = {}
 
     def __call__(self, source: dict[Any, Any]) -> dict[Any, Any]:
+        if source == self._source:  # compared in C: the usual case between two calls
+            return dict(self._result)
         result = dict(self._result)
         for name in self._source.keys() - source.keys():
             del result[self._key(name)]
@@ -64,10 +66,17 @@ def variables() -> dict[str, str]:
     return decoded(snapshot())
 
 
-def restore(snap: Snapshot) -> None:
+def restore(snap: Snapshot, leave: tuple[str, ...] = ()) -> None:
     """Make the environment `snap`, setting and unsetting only the variables that differ
-    (os.environ.clear() alone is quadratic in their number)."""
+    (os.environ.clear() alone is quadratic in their number); variables named in `leave`
+    stay as they are, whatever `snap` says."""
     now = snapshot()
+    if leave:
+        snap = dict(snap)
+        for name in leave:
+            key = _environ.encodekey(name) if _HAS_STORE else name
+            now.pop(key, None)
+            snap.pop(key, None)
     if now == snap:
         return
     for key in now.keys() - snap.keys():

@@ -30,6 +30,7 @@ from typing import Any
 from harness import environment, reaper
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
+    CURRENT_TEST,
     Backend,
     DropGroup,
     Kind,
@@ -484,6 +485,8 @@ class Pools:
             kept[0] if kept is not None and spec.keeps_group and kept[1] == spec.timeout_s else None
         )
         serial = next(self._serial)
+        env = environment.variables()
+        current_test = env.pop(CURRENT_TEST, None)
         launch_store = self._launch_store() if request.spec.launch else None
         task = RunTask(
             key=f"{os.getpid()}-{serial}",
@@ -501,7 +504,8 @@ class Pools:
             keep_group=spec.keeps_group,
             sys_path=list(sys.path),
             cwd=os.getcwd(),
-            env=environment.variables(),
+            env=env,
+            current_test=current_test,
         )
         try:
             outcomes = pool.run(task.for_ranks(request.spec.world_size), request.live)

@@ -50,6 +50,8 @@ RANK_SIDE_FIXTURES = (
     "tmpdir",
 )
 WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a rank is in
+# pytest names the test and phase it is in here; it travels apart from the environment.
+CURRENT_TEST = "PYTEST_CURRENT_TEST"
 # The harness's own tests set this to make rank 1's first N group set-ups fail.
 SIMULATED_SET_UP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"
 
@@ -135,17 +137,38 @@ class RankSpec:
         return tuple(f for f in self.faults if rank in f.ranks(self.world_size))
 
 
+# The fields that stay the same from run to run of a test file (spec, target, paths, the
+# environment less PYTEST_CURRENT_TEST): pickled apart, so a rank unpickles them only when
+# they change (~0.1 ms of a rank's CPU per test).
+_STABLE_FIELDS = (
+    "spec",
+    "target",
+    "store_host",
+    "store_port",
+    "keep_group",
+    "sys_path",
+    "cwd",
+    "env",
+)
+
+
 class _Common:
-    """The fields a run's tasks have in common, pickled when the first of them is."""
+    """The fields a run's tasks have in common, pickled when the first of them is: those
+    that rarely change between runs, and the rest."""
 
     def __init__(self) -> None:
-        self._pickled: bytes | None = None
+        self._pickled: tuple[bytes, bytes] | None = None
 
-    def pickled(self, task: RunTask) -> bytes:
+    def pickled(self, task: RunTask) -> tuple[bytes, bytes]:
         if self._pickled is None:
             fields = {k: v for k, v in vars(task).items() if k not in ("rank", "_common")}
-            self._pickled = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+            stable = {name: fields.pop(name) for name in _STABLE_FIELDS}
+            self._pickled = (_dumps(stable), _dumps(fields))
         return self._pickled
+
+
+def _dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @dataclass(frozen=True)
@@ -168,6 +191,7 @@ class RunTask:
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
     env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time
+    current_test: str | None = None  # its PYTEST_CURRENT_TEST, apart: it changes every run
     # What it has in common with the other ranks' tasks of its run, pickled once for them all.
     _common: _Common = field(default_factory=_Common, init=False, compare=False, repr=False)
 
@@ -190,12 +214,20 @@ class RunTask:
         return tasks
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_task_of_rank, (self._common.pickled(self), self.rank))
+        return (_task_of_rank, (*self._common.pickled(self), self.rank))
 
 
-def _task_of_rank(common: bytes, rank: int) -> RunTask:
+# In a rank: the stable fields last received, as bytes and as loaded. Their values are
+# shared by the tasks that use them, and nothing mutates them.
+_last_stable: tuple[bytes, dict[str, Any]] = (b"", {})
+
+
+def _task_of_rank(stable: bytes, per_run: bytes, rank: int) -> RunTask:
+    global _last_stable
+    if stable != _last_stable[0]:
+        _last_stable = (stable, pickle.loads(stable))
     task = object.__new__(RunTask)
-    task.__dict__.update(pickle.loads(common), rank=rank, _common=_Common())
+    task.__dict__.update(_last_stable[1], **pickle.loads(per_run), rank=rank, _common=_Common())
     return task
 
 

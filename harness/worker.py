@@ -24,6 +24,7 @@ import importlib.machinery
 import importlib.util
 import mmap
 import os
+import pickle
 import signal
 import sys
 import types
@@ -50,6 +51,7 @@ from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import (
+    CURRENT_TEST,
     DUMP_STACKS_SIGNAL,
     SIMULATED_SET_UP_FAILURES,
     WHERE_SIZE,
@@ -98,10 +100,12 @@ def main(conn: Any, files: RankFiles) -> None:
                 _teardown_group()  # peers still waiting on this rank fail now
             continue
         for fd in capture_fds:
-            os.ftruncate(fd, 0)
-        outcome = _serve(message.payload)
+            if os.fstat(fd).st_size:  # mostly empty: one system call instead of a truncation
+                os.ftruncate(fd, 0)
+        outcome, undo = _serve(message.payload)
         _flush()
-        conn.send(Message(Kind.RESULT, outcome))
+        conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
+        undo()  # after the result: while the pytest process reports it
 
 
 def _die_with_parent() -> None:
@@ -145,7 +149,9 @@ def _redirect_output(files: RankFiles) -> tuple[int, int]:
 
 
 def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
+    """Flush the test's streams and the rank's own (a test may have replaced them)."""
+    own = _baseline.streams[1:] if _baseline is not None else ()
+    for stream in (sys.stdout, sys.stderr, *own):
         with contextlib.suppress(Exception):
             stream.flush()
 
@@ -172,12 +178,19 @@ class _WhereBoard:
         self._map[:] = encode_where(self._stack)
 
 
-def _serve(task: RunTask) -> RankOutcome:
-    """Run one task on this rank and say how it ended; never raises."""
+def _serve(task: RunTask) -> tuple[RankOutcome, Callable[[], None]]:
+    """Run one task on this rank: how it ended, and what undoes what the test did to the
+    process (see _restore), to call once the outcome is sent. Never raises."""
     saved_env = environment.snapshot()
     cuda_device = rank_state.cuda_device()
     kept: str | None = None
+
+    def undo() -> None:
+        environment.restore(saved_env)
+        _restore(cuda_device)
+
     try:
+        saved_env = _apply_environment(task)  # mostly already so: restoring it costs nothing
         _enter_test_context(task)
         before = hygiene.snapshot()
         with (
@@ -192,16 +205,14 @@ def _serve(task: RunTask) -> RankOutcome:
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
         if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
             kept = outcome.kept_group = kept_group.keep(task.key)
-        return outcome
+        return outcome, undo
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")
         outcome.setup_failed = isinstance(exc, _SetUpFailed)
-        return outcome
+        return outcome, undo
     finally:
         if kept is None:
-            _teardown_group()
-        environment.restore(saved_env)
-        _restore(cuda_device)
+            _teardown_group()  # before the outcome goes: peers waiting on this rank fail now
 
 
 _baseline: rank_state.Baseline | None = None
@@ -217,13 +228,30 @@ def _restore(cuda_device: int | None) -> None:
         faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
 
 
+def _apply_environment(task: RunTask) -> environment.Snapshot:
+    """Give the rank the environment the test sees, as torchrun's children have theirs;
+    returns it, for the rank to go back to after the test.
+
+    The last test's is still there, so mostly only PYTEST_CURRENT_TEST changes.
+    """
+    if task.env:
+        environment.restore(environment.encoded(task.env), leave=_SET_PER_RUN)
+    if task.current_test is None:
+        os.environ.pop(CURRENT_TEST, None)
+    else:
+        os.environ[CURRENT_TEST] = task.current_test
+    if os.environ.get(IN_RANK_WORKER) != "1":
+        os.environ[IN_RANK_WORKER] = "1"  # a pytest started in here is no launched rank
+    return environment.snapshot()
+
+
+_SET_PER_RUN = (CURRENT_TEST, IN_RANK_WORKER)
+
+
 def _enter_test_context(task: RunTask) -> None:
     if task.sys_path:
         sys.path[:] = task.sys_path
     os.chdir(task.cwd)
-    if task.env:  # the ranks see the environment the test sees, as torchrun's children do
-        environment.restore(environment.encoded(task.env))
-    os.environ[IN_RANK_WORKER] = "1"  # a pytest started in here is no launched rank
     spec = task.spec
     if spec.threads is not None:  # restored after the test (rank_state)
         torch.set_num_threads(spec.threads)

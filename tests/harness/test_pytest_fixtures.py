@@ -95,6 +95,24 @@ def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -
     result.stdout.fnmatch_lines_random(["[[]rank 0[]] working on 0", "[[]rank 1[]] working on 1"])
 
 
+def test_output_a_test_left_in_a_stream_it_then_replaced_is_in_its_report(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import io, sys, pytest
+
+        @pytest.mark.ranks(2)
+        def test_swaps(rank):
+            print(f"half a line from {rank}", end="")  # still in the stream's buffer
+            sys.stdout = io.StringIO()
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*Captured stdout [[]rank 1[]] call*", "half a line from 1"])
+
+
 def test_passing_tests_keep_every_ranks_output(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

@@ -270,6 +270,31 @@ def test_run_on_ranks_returns_every_ranks_outcome(inner: pytest.Pytester) -> Non
     inner.runpytest("-p", "harness").assert_outcomes(passed=6)
 
 
+def test_each_tests_ranks_see_that_tests_environment(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.fixture
+        def flag():  # runs in the pytest process
+            os.environ["ONLY_FOR_A"] = "on"
+            yield
+            del os.environ["ONLY_FOR_A"]
+
+        @pytest.mark.ranks(2)
+        def test_a(flag, rank):
+            assert os.environ["ONLY_FOR_A"] == "on"
+            assert os.environ["PYTEST_CURRENT_TEST"].endswith("::test_a[ranks2] (call)")
+
+        @pytest.mark.ranks(2)
+        def test_b(rank):
+            assert "ONLY_FOR_A" not in os.environ
+            assert os.environ["PYTEST_CURRENT_TEST"].endswith("::test_b[ranks2] (call)")
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_monkeypatch_is_made_and_undone_in_each_rank(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
