@@ -40,4 +40,10 @@ __all__ = [
 ]
 
 # pytest registers these (hooks and fixtures) when it registers this module.
-pytest_plugins = ["harness.plugin", "harness.simulate", "harness.adopt", "harness.spawning"]
+pytest_plugins = [
+    "harness.plugin",
+    "harness.simulate",
+    "harness.adopt",
+    "harness.spawning",
+    "harness.launched_reports",
+]

@@ -434,6 +434,8 @@ def _quiet(config: pytest.Config) -> Any:
     if reporter is not None:
         real = reporter._tw
         reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the session's
+    # Report files are off here already (launched_reports), unless the harness was loaded
+    # after pytest configured its junit writer (from a conftest's pytest_plugins).
     with contextlib.suppress(ImportError):
         from _pytest.junitxml import xml_key
 

@@ -3,6 +3,7 @@ verdict. Each test runs ``torchrun --standalone`` (gloo, CPU) over generated tes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -477,6 +478,46 @@ def test_ranks_stay_in_step_and_tests_do_not_touch_each_other(pytester: pytest.P
         "test_the_rank_faults_fixture_applies[ranks2]": "failure",
     }
     assert result.exit_codes() == [1, 1], out
+
+
+# A stand-in for a report plugin with a file option (pytest-html's --html is read the same
+# way): it writes the file in pytest_configure, where it sees the option's value.
+REPORT_FILE_PLUGIN = """
+import os
+
+def pytest_addoption(parser):
+    parser.addoption("--html", dest="htmlpath", default=None)
+
+def pytest_configure(config):
+    if config.option.htmlpath:
+        with open(config.option.htmlpath, "a") as f:
+            f.write(f"written by rank {os.environ['RANK']}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_report_files_are_written_by_rank_0_alone(pytester: pytest.Pytester) -> None:
+    source = """
+@pytest.mark.ranks(2)
+def test_on_ranks(rank):
+    pass
+
+def test_plain():
+    pass
+"""
+    pytester.makeconftest(REPORT_FILE_PLUGIN)
+    result = torchrun(
+        write(pytester, test_reports=source), 2, "--report-log=log.jsonl", "--html=report.html"
+    )
+    assert result.returncode == 0, result.output
+    log = (pytester.path / "log.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in log]  # one writer: every line whole
+    kinds = [r["$report_type"] for r in records]
+    assert kinds.count("SessionStart") == kinds.count("SessionFinish") == 1, log
+    calls = [r["nodeid"] for r in records if r.get("when") == "call"]
+    assert calls == ["test_reports.py::test_on_ranks[ranks2]", "test_reports.py::test_plain"]
+    html = (pytester.path / "report.html").read_text().splitlines()
+    assert html == ["written by rank 0"], html
 
 
 @pytest.mark.slow
