@@ -15,6 +15,8 @@ from harness import environment
 from harness.errors import SpecError, invalid
 
 CHECKS = ("group", "threads", "env", "processes")
+# Not a check a test can opt out of: the rank's state after the test could not be restored.
+UNDONE = "undone"
 # Variables libraries set for themselves on first use (torch's compile caches, Intel OpenMP's
 # KMP_* switches set when an MKL-linked package is imported): the test did not change them.
 LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_", "KMP_")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import environment, reaper
+from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
     CURRENT_TEST,
@@ -311,7 +312,8 @@ class _Run:
             self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
-            o.ending in _NOT_REUSABLE or "threads" in o.leftovers for o in self.outcomes.values()
+            o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys()
+            for o in self.outcomes.values()
         )
         if suspect:
             self.pool.close()  # the next test gets a fresh pool, never a suspect rank

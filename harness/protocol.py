@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import pickle
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,6 +140,7 @@ class RankSpec:
 # The fields that stay the same from run to run of a test file (spec, target, paths, the
 # environment less PYTEST_CURRENT_TEST): pickled apart, so a rank unpickles them only when
 # they change (~0.1 ms of a rank's CPU per test).
+_FAULTS = "_faults_blob"  # where a rank's task holds the spec's faults, still pickled
 _STABLE_FIELDS = (
     "spec",
     "target",
@@ -163,6 +164,10 @@ class _Common:
         if self._pickled is None:
             fields = {k: v for k, v in vars(task).items() if k not in ("rank", "_common")}
             stable = {name: fields.pop(name) for name in _STABLE_FIELDS}
+            # The faults go per run, loaded once the test's module is (see load_faults), and
+            # are never shared between runs: an exception instance gathers each run's traceback.
+            stable["spec"] = replace(task.spec, faults=())
+            fields[_FAULTS] = _dumps(task.spec.faults)
             self._pickled = (_dumps(stable), _dumps(fields))
         return self._pickled
 
@@ -190,7 +195,7 @@ class RunTask:
     keep_group: bool = False  # the rank may keep its group after a clean run (kept_group)
     sys_path: list[str] = field(default_factory=list)
     cwd: str = "."
-    env: dict[str, str] = field(default_factory=dict)  # the pytest process's, at run time
+    env: dict[str, str] | None = None  # the pytest process's at run time; None: leave the rank's
     current_test: str | None = None  # its PYTEST_CURRENT_TEST, apart: it changes every run
     # What it has in common with the other ranks' tasks of its run, pickled once for them all.
     _common: _Common = field(default_factory=_Common, init=False, compare=False, repr=False)
@@ -199,9 +204,12 @@ class RunTask:
     def device(self) -> str:
         return device_for(self.spec.backend, self.rank)
 
-    @property
-    def faults(self) -> tuple[Fault, ...]:
-        return self.spec.faults_on(self.rank)
+    def load_faults(self) -> tuple[Fault, ...]:
+        """This rank's faults. In a rank they arrive pickled apart from the spec: call this
+        once the test's module is loaded, as their exceptions may be its classes."""
+        blob = self.__dict__.get(_FAULTS)
+        faults = self.spec.faults if blob is None else pickle.loads(blob)
+        return tuple(f for f in faults if self.rank in f.ranks(self.spec.world_size))
 
     def for_ranks(self, world_size: int) -> list[RunTask]:
         """This task for every rank of the run; pickling them all pickles what they share

@@ -22,6 +22,7 @@ from harness import faults as fault_specs
 from harness import rank_warnings
 from harness.errors import SpecError
 from harness.faults import Fault
+from harness.hygiene import CHECKS
 from harness.outcome import (
     Ending,
     RankOutcome,
@@ -267,11 +268,10 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
 def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
     lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
     if lines:
-        kinds = ", ".join(
-            f"'{kind}'" for kind in sorted({k for o in outcomes for k in o.leftovers})
-        )
-        hint = f"(a test that means it: @pytest.mark.allow_leftovers({kinds}))"
-        item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], hint])
+        kinds = sorted({k for o in outcomes for k in o.leftovers if k in CHECKS})
+        listed = ", ".join(f"'{kind}'" for kind in kinds)
+        hints = [f"(a test that means it: @pytest.mark.allow_leftovers({listed}))"] if kinds else []
+        item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], *hints])
 
 
 def raise_leftovers(item: pytest.Item) -> None:

@@ -29,6 +29,7 @@ import signal
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from harness import (
     rank_warnings,
     reaper,
 )
-from harness.faults import Injector, rankwise_points
+from harness.faults import Fault, Injector, rankwise_points
 from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome
@@ -102,10 +103,9 @@ def main(conn: Any, files: RankFiles) -> None:
         for fd in capture_fds:
             if os.fstat(fd).st_size:  # mostly empty: one system call instead of a truncation
                 os.ftruncate(fd, 0)
-        outcome, undo = _serve(message.payload)
+        outcome = _serve(message.payload)
         _flush()
         conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
-        undo()  # after the result: while the pytest process reports it
 
 
 def _die_with_parent() -> None:
@@ -149,9 +149,7 @@ def _redirect_output(files: RankFiles) -> tuple[int, int]:
 
 
 def _flush() -> None:
-    """Flush the test's streams and the rank's own (a test may have replaced them)."""
-    own = _baseline.streams[1:] if _baseline is not None else ()
-    for stream in (sys.stdout, sys.stderr, *own):
+    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
 
@@ -178,26 +176,39 @@ class _WhereBoard:
         self._map[:] = encode_where(self._stack)
 
 
-def _serve(task: RunTask) -> tuple[RankOutcome, Callable[[], None]]:
-    """Run one task on this rank: how it ended, and what undoes what the test did to the
-    process (see _restore), to call once the outcome is sent. Never raises."""
+def _serve(task: RunTask) -> RankOutcome:
+    """Run one task on this rank and undo what the test did to the process; never raises.
+
+    What cannot be undone fails the test on this rank (a leftover the pytest side reports),
+    and the pool then replaces its ranks, so the next test is not hurt.
+    """
     saved_env = environment.snapshot()
     cuda_device = rank_state.cuda_device()
-    kept: str | None = None
-
-    def undo() -> None:
-        environment.restore(saved_env)
-        _restore(cuda_device)
-
+    outcome, test_env = _run_task(task)
     try:
-        saved_env = _apply_environment(task)  # mostly already so: restoring it costs nothing
+        environment.restore(saved_env if test_env is None else test_env)
+        _restore(cuda_device)
+    except Exception as exc:
+        outcome.leftovers[hygiene.UNDONE] = (
+            f"changed its process in a way the harness could not undo "
+            f"({type(exc).__name__}: {exc}); the ranks are replaced for the next test"
+        )
+        outcome.kept_group = None
+    return outcome
+
+
+def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
+    """How the task ended here, and the environment it started with (None: not set yet)."""
+    test_env: environment.Snapshot | None = None
+    kept: str | None = None
+    try:
+        test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
         before = hygiene.snapshot()
-        with (
-            rank_warnings.recording(task.spec.warning_filters) as log,
-            Injector(task.rank, task.faults).installed() as injector,
-        ):
-            outcome = _run_target(task, injector)
+        with rank_warnings.recording(task.spec.warning_filters) as log:
+            call = _prepare_call(task)
+            with Injector(task.rank, call.faults).installed() as injector:
+                outcome = _run_target(task, call, injector)
         outcome.warnings = rank_warnings.collected(log)
         group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
         left = reaper.leftovers(os.getpid())
@@ -205,14 +216,14 @@ def _serve(task: RunTask) -> tuple[RankOutcome, Callable[[], None]]:
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
         if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
             kept = outcome.kept_group = kept_group.keep(task.key)
-        return outcome, undo
+        return outcome, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")
         outcome.setup_failed = isinstance(exc, _SetUpFailed)
-        return outcome, undo
+        return outcome, test_env
     finally:
         if kept is None:
-            _teardown_group()  # before the outcome goes: peers waiting on this rank fail now
+            _teardown_group()
 
 
 _baseline: rank_state.Baseline | None = None
@@ -234,7 +245,7 @@ def _apply_environment(task: RunTask) -> environment.Snapshot:
 
     The last test's is still there, so mostly only PYTEST_CURRENT_TEST changes.
     """
-    if task.env:
+    if task.env is not None:
         environment.restore(environment.encoded(task.env), leave=_SET_PER_RUN)
     if task.current_test is None:
         os.environ.pop(CURRENT_TEST, None)
@@ -425,10 +436,26 @@ def _teardown_group() -> None:
             world.group_count = 0
 
 
-def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
-    _finder.learn(task.target)  # before the arguments: their classes may live in those modules
+@dataclass
+class _Call:
+    """The test function and what it is called with, loaded in the rank."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    faults: tuple[Fault, ...]
+
+
+def _prepare_call(task: RunTask) -> _Call:
+    """Load the test's module, then what may refer to its classes: the arguments, the faults."""
+    _finder.learn(task.target)  # first: those classes may live in modules only pytest can find
     args, kwargs, instance_state = decode_args(task.args_blob)
     fn = _resolve(task, instance_state)
+    return _Call(fn, args, kwargs, task.load_faults())
+
+
+def _run_target(task: RunTask, call: _Call, injector: Injector) -> RankOutcome:
+    fn, args, kwargs = call.fn, call.args, call.kwargs
     info = kwargs.get("request")
     fixtures = RankFixtures(task.rank, info if isinstance(info, RequestInfo) else None)
     try:
@@ -445,7 +472,7 @@ def _run_target(task: RunTask, injector: Injector) -> RankOutcome:
         with contextlib.suppress(BaseException):
             fixtures.close()
         endings.release(exc)
-        del exc, args, kwargs
+        del exc, args, kwargs, call
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
     missed = injector.unreached()

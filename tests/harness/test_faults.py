@@ -152,6 +152,42 @@ def test_outside(run_on_ranks):
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+def test_each_run_raises_its_own_fault_exception(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, harness
+
+        class DiskFull(Exception):  # a class of the test module: the rank's own import of it
+            pass
+
+        @pytest.mark.parametrize("catch", [True, False])
+        @pytest.mark.ranks(2)
+        @pytest.mark.fault(rank=1, kind="raise", exc=OSError("disk full"), at="load")
+        def test_instance(rank, catch):
+            if catch:
+                try:
+                    harness.fault_point("load")
+                except OSError as exc:
+                    exc.add_note("noted by the first run")
+            else:
+                harness.fault_point("load")
+
+        @pytest.mark.parametrize("step", [0, 1, 2])
+        @pytest.mark.ranks(2)
+        @pytest.mark.fault(rank=1, kind="raise", exc=DiskFull, at="load")
+        def test_class(rank, step):
+            try:
+                harness.fault_point("load")
+            except DiskFull:
+                pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=4, failed=1)
+    assert "OSError: disk full" in result.stdout.str()
+    assert "noted by the first run" not in result.stdout.str()
+
+
 @pytest.mark.parametrize(
     ("marker", "message"),
     [

@@ -295,6 +295,35 @@ def test_each_tests_ranks_see_that_tests_environment(inner: pytest.Pytester) -> 
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
 
 
+def test_a_test_whose_fixture_empties_the_environment_sees_it_empty(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest
+        from unittest import mock
+
+        @pytest.fixture
+        def foo(monkeypatch):
+            monkeypatch.setenv("FOO", "1")
+
+        @pytest.fixture
+        def emptied():
+            with mock.patch.dict(os.environ, clear=True):
+                yield
+
+        @pytest.mark.ranks(2)
+        def test_a(rank, foo):
+            assert os.environ.get("FOO") == "1"
+
+        @pytest.mark.ranks(2)
+        def test_b(rank, emptied):
+            assert "FOO" not in os.environ and "HOME" not in os.environ
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_monkeypatch_is_made_and_undone_in_each_rank(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

@@ -279,6 +279,39 @@ BREAKS_THEN_CHECKS = {
 }
 
 
+def test_a_test_that_leaves_its_rank_beyond_repair_errors_and_the_next_gets_new_ranks(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.ranks(2)
+        def test_a_closes_the_ranks_copy_of_stdin(rank):
+            stdin = os.fstat(0)
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                if fd > 2:
+                    try:
+                        found = os.fstat(fd)
+                    except OSError:
+                        continue
+                    if (found.st_dev, found.st_ino) == (stdin.st_dev, stdin.st_ino):
+                        os.close(fd)  # what the rank would restore fd 0 from
+
+        @pytest.mark.ranks(2)
+        def test_b_next(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_a_closes*", "*rank ? changed its process in a way the harness could not undo (OSError*"]
+    )
+    assert "allow_leftovers" not in result.stdout.str()
+
+
 @pytest.mark.parametrize("what", list(BREAKS_THEN_CHECKS))
 def test_a_warm_rank_is_restored_for_the_next_test(inner: pytest.Pytester, what: str) -> None:
     breaks, checks = BREAKS_THEN_CHECKS[what]
