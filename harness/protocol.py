@@ -137,10 +137,10 @@ class RankSpec:
         return tuple(f for f in self.faults if rank in f.ranks(self.world_size))
 
 
+_FAULTS = "_faults_blob"  # where a rank's task holds the spec's faults, still pickled
 # The fields that stay the same from run to run of a test file (spec, target, paths, the
 # environment less PYTEST_CURRENT_TEST): pickled apart, so a rank unpickles them only when
 # they change (~0.1 ms of a rank's CPU per test).
-_FAULTS = "_faults_blob"  # where a rank's task holds the spec's faults, still pickled
 _STABLE_FIELDS = (
     "spec",
     "target",
