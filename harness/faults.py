@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import signal as signals
 import sys
 import threading
@@ -94,11 +95,30 @@ def validate(fault: Fault, world_size: int, origin: str) -> Fault:
         isinstance(fault.seconds, (int, float)) and fault.seconds >= 0
     ):
         raise bad("delay", fault.seconds, "use seconds >= 0")
-    if fault.kind == "raise" and fault.exc is not None and not _is_exception(fault.exc):
-        raise bad("exception", fault.exc, "use an exception instance or class")
+    if fault.kind == "raise" and fault.exc is not None:
+        if not _is_exception(fault.exc):
+            raise bad("exception", fault.exc, "use an exception instance or class")
+        _check_travels(fault.exc, bad)
     if isinstance(fault.rank, list):
         fault = dataclasses.replace(fault, rank=tuple(fault.rank))
     return fault
+
+
+def _check_travels(exc: Any, bad: Bad) -> None:
+    """A fault's exception goes to the ranks pickled: one that cannot come back as itself
+    would fail every rank there, blaming none of them rightly."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception as error:
+        if isinstance(exc, type):
+            fix = "define it at module level, where a rank can import it by name"
+        else:
+            fix = (
+                f"it must survive pickling to reach a rank ({type(error).__name__}: {error}); "
+                f"give its class an __init__ that accepts the args it passes to Exception, "
+                f"or pass the class"
+            )
+        raise bad("exception", exc, fix) from None
 
 
 def _is_exception(exc: Any) -> bool:
@@ -225,11 +245,20 @@ def _unreachable(what: str, value: object, fix: str) -> FaultError:
     raise AssertionError(f"fault {what} {value!r} passed validation")  # validated before
 
 
+def _afresh(exc: BaseException) -> BaseException:
+    """A copy of a fault's exception instance: one shared by several runs (parametrized
+    tests in a launched session) would carry every earlier run's traceback and notes."""
+    try:
+        return pickle.loads(pickle.dumps(exc))  # type: ignore[no-any-return]
+    except Exception:  # validated to travel; should it not, the instance, its old trace cut
+        return exc.with_traceback(None)
+
+
 def _fire(fault: Fault, rank: int, where: str) -> None:
     message = f"fault injected by the harness on rank {rank} at {where}"
     if fault.kind == "raise":
         exc = fault.exc if fault.exc is not None else RuntimeError
-        raise exc(message) if isinstance(exc, type) else exc
+        raise exc(message) if isinstance(exc, type) else _afresh(exc)
     if fault.kind == "exit":
         sys.exit(fault.code)
     for stream in (sys.stdout, sys.stderr):

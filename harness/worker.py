@@ -82,13 +82,12 @@ def main(conn: Any, files: RankFiles) -> None:
     _die_with_parent()
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
-    capture_fds = _redirect_output(files)
-    stack_file = open(files.stacks, "a")  # noqa: SIM115 - must outlive this frame
-    faulthandler.register(DUMP_STACKS_SIGNAL, file=stack_file, all_threads=True)
+    _redirect_output(files)
+    _watch_stacks(files.stacks)
     where = _WhereBoard(str(files.where))
     where.install()
-    global _baseline, _stack_file
-    _baseline, _stack_file = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,)), stack_file
+    global _baseline
+    _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
     gc.freeze()  # what the rank starts with (torch) is never garbage: no collection walks it
     conn.send(Message(Kind.READY, Ready(os.getpid())))
     while True:
@@ -100,9 +99,7 @@ def main(conn: Any, files: RankFiles) -> None:
             if kept_group.kept_after(message.payload.key):
                 _teardown_group()  # peers still waiting on this rank fail now
             continue
-        for fd in capture_fds:
-            if os.fstat(fd).st_size:  # mostly empty: one system call instead of a truncation
-                os.ftruncate(fd, 0)
+        _truncate_output()
         outcome = _serve(message.payload)
         _flush()
         conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
@@ -137,15 +134,48 @@ def _release_forkserver() -> None:
         server._forkserver_address = None
 
 
-def _redirect_output(files: RankFiles) -> tuple[int, int]:
-    """fds 1 and 2 into the rank's files, which the pytest side reads even after a death."""
-    fds = []
+def _redirect_output(files: RankFiles) -> None:
+    """fds 1 and 2 into the rank's files, which the pytest side reads even after a death.
+
+    No other descriptor of them is kept: fds 1 and 2 are restored after every test (from
+    rank_state's copies), so they are what each test's output is truncated through.
+    """
     for target, path in ((1, files.stdout), (2, files.stderr)):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
         os.dup2(fd, target)
-        fds.append(fd)
+        os.close(fd)
     sys.stdout, sys.stderr = rank_state.open_streams()
-    return fds[0], fds[1]
+
+
+def _truncate_output() -> None:
+    """Empty the output files for the next test (mostly empty already: one system call)."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_size:
+                os.ftruncate(fd, 0)
+
+
+def _watch_stacks(path: Path) -> None:
+    """Have SIGUSR1 dump every thread's stack to `path`, and remember it to do so again."""
+    global _stack_file, _stack_path
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # Never closed by the object: a test may have closed an earlier one's fd, whose number
+    # can belong to something else by now.
+    _stack_file = open(fd, "a", closefd=False)  # noqa: SIM115 - must outlive this frame
+    _stack_path = path
+    faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
+
+
+def _stacks_still_watched(path: Path) -> bool:
+    """Whether the stack dump still goes to the stacks file (a test may have closed it, or
+    taken the signal)."""
+    if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:
+        return False
+    try:
+        found, wanted = os.fstat(_stack_file.fileno()), os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino)
 
 
 def _flush() -> None:
@@ -228,15 +258,17 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
 
 _baseline: rank_state.Baseline | None = None
 _stack_file: Any = None
+_stack_path: Path | None = None
 
 
 def _restore(cuda_device: int | None) -> None:
     """Undo what the test did to this process (see rank_state), so the next test is not hurt."""
     if _baseline is not None:
         rank_state.restore(_baseline, cuda_device)
-    if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:  # a test took our signal
-        signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)
-        faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
+    if _stack_path is not None and not _stacks_still_watched(_stack_path):
+        signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)  # Python's view: no handler
+        faulthandler.unregister(DUMP_STACKS_SIGNAL)  # else register keeps what it thinks it has
+        _watch_stacks(_stack_path)
 
 
 def _apply_environment(task: RunTask) -> environment.Snapshot:

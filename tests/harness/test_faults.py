@@ -233,6 +233,57 @@ def test_bad_fault_declarations_say_where_they_came_from(
     result.stdout.fnmatch_lines(["*ERROR at setup of test_bad*", f"*{message}*"])
 
 
+def test_a_fault_exception_that_cannot_reach_a_rank_is_a_declaration_error(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest, harness
+
+        class TwoArgs(Exception):  # pickled as TwoArgs("1-2"), which its __init__ refuses
+            def __init__(self, a, b):
+                super().__init__(f"{a}-{b}")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.fault(rank=1, exc=TwoArgs(1, 2), at="p")
+        def test_bad(rank):
+            harness.fault_point("p")
+
+        def test_local_class(run_on_ranks):
+            class Local(Exception):
+                pass
+
+            run_on_ranks(print, world_size=2, faults=[harness.Fault(rank=1, exc=Local)])
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_bad*",
+            "*invalid fault exception TwoArgs('1-2') from the fault marker on *test_bad*: it "
+            "must survive pickling to reach a rank (TypeError: *",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*invalid fault exception <class *Local'>*define it at*"])
+
+
+def test_a_shared_exception_instance_is_raised_afresh_each_time() -> None:
+    from harness.faults import Fault, Injector, fault_point
+
+    shared = OSError("disk full")
+    caught: list[OSError] = []
+    for _ in range(2):  # one Injector per run, the same Fault object (under torchrun)
+        with Injector(1, (Fault(rank=1, exc=shared, at="load"),)).installed():
+            try:
+                fault_point("load")
+            except OSError as exc:
+                exc.add_note("seen by this run")
+                caught.append(exc)
+    assert shared not in caught and caught[0] is not caught[1]
+    assert str(caught[1]) == "disk full" and caught[1].__notes__ == ["seen by this run"]
+
+
 def test_rankwise_points_cost_nothing_without_an_observer() -> None:
     from rankwise import _points
 

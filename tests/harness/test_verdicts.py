@@ -307,9 +307,96 @@ def test_a_test_that_leaves_its_rank_beyond_repair_errors_and_the_next_gets_new_
     result = inner.runpytest("-p", "harness")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
-        ["*ERROR at teardown of test_a_closes*", "*rank ? changed its process in a way the harness could not undo (OSError*"]
+        [
+            "*ERROR at teardown of test_a_closes*",
+            "*rank ? changed its process in a way the harness could not undo (OSError*",
+        ]
     )
     assert "allow_leftovers" not in result.stdout.str()
+
+
+RANK_FILE_CLOSER = """
+import os
+from harness import worker
+
+def close_other_descriptors_of(fd_file):
+    # every descriptor of that file but fds 0-2 and the copies the rank restores them from
+    kept = {0, 1, 2, *worker._baseline.fds.values()}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in kept:
+            continue
+        try:
+            found = os.fstat(fd)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (fd_file.st_dev, fd_file.st_ino):
+            os.close(fd)
+"""
+
+
+def test_a_test_that_closes_the_ranks_output_files_does_not_break_the_next(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        RANK_FILE_CLOSER
+        + """
+import pytest
+
+@pytest.mark.ranks(2)
+def test_a_closes_them(rank):
+    print("before")
+    close_other_descriptors_of(os.fstat(1))
+    close_other_descriptors_of(os.fstat(2))
+
+@pytest.mark.ranks(2)
+def test_b_next(rank):
+    print(f"rank {rank} in b")
+    assert False, "shows its output"
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 0*raised AssertionError: shows its output*"])
+    result.stdout.fnmatch_lines(["rank 1 in b"])
+    assert "before" not in result.stdout.str()  # each test's output is its own
+
+
+TAKES_THE_STACKS = {
+    "closes-the-file": """
+    stacks = [p for p in glob.glob(os.path.dirname(os.readlink("/proc/self/fd/1")) + "/*")
+              if p.endswith(f"rank{rank}.stacks")]
+    close_other_descriptors_of(os.stat(stacks[0]))
+""",
+    "takes-the-signal": """
+    signal.signal(signal.SIGUSR1, lambda *args: None)
+""",
+}
+
+
+@pytest.mark.parametrize("how", list(TAKES_THE_STACKS))
+def test_a_test_that_takes_the_ranks_stack_dump_still_leaves_hang_stacks_later(
+    inner: pytest.Pytester, how: str
+) -> None:
+    inner.makepyfile(
+        RANK_FILE_CLOSER
+        + """
+import glob, signal, time, pytest
+
+@pytest.mark.ranks(2)
+def test_a_takes_it(rank):"""
+        + TAKES_THE_STACKS[how]
+        + """
+
+@pytest.mark.ranks(2, timeout=2)
+def test_b_hangs(rank):
+    if rank == 1:
+        time.sleep(60)
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*Python stacks at the deadline*", "*time.sleep(60)*"])
 
 
 @pytest.mark.parametrize("what", list(BREAKS_THEN_CHECKS))
