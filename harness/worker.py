@@ -157,25 +157,29 @@ def _truncate_output() -> None:
 
 def _watch_stacks(path: Path) -> None:
     """Have SIGUSR1 dump every thread's stack to `path`, and remember it to do so again."""
-    global _stack_file, _stack_path
+    global _stack_file, _stack_path, _stack_id
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     # Never closed by the object: a test may have closed an earlier one's fd, whose number
     # can belong to something else by now.
     _stack_file = open(fd, "a", closefd=False)  # noqa: SIM115 - must outlive this frame
-    _stack_path = path
+    _stack_path, _stack_id = path, _file_id(fd)
     faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
 
 
-def _stacks_still_watched(path: Path) -> bool:
+def _stacks_still_watched() -> bool:
     """Whether the stack dump still goes to the stacks file (a test may have closed it, or
     taken the signal)."""
     if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:
         return False
     try:
-        found, wanted = os.fstat(_stack_file.fileno()), os.stat(path)
+        return _file_id(_stack_file.fileno()) == _stack_id
     except (OSError, ValueError):
         return False
-    return (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino)
+
+
+def _file_id(fd: int) -> tuple[int, int]:
+    found = os.fstat(fd)
+    return found.st_dev, found.st_ino
 
 
 def _flush() -> None:
@@ -259,13 +263,14 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
 _baseline: rank_state.Baseline | None = None
 _stack_file: Any = None
 _stack_path: Path | None = None
+_stack_id: tuple[int, int] = (0, 0)
 
 
 def _restore(cuda_device: int | None) -> None:
     """Undo what the test did to this process (see rank_state), so the next test is not hurt."""
     if _baseline is not None:
         rank_state.restore(_baseline, cuda_device)
-    if _stack_path is not None and not _stacks_still_watched(_stack_path):
+    if _stack_path is not None and not _stacks_still_watched():
         signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)  # Python's view: no handler
         faulthandler.unregister(DUMP_STACKS_SIGNAL)  # else register keeps what it thinks it has
         _watch_stacks(_stack_path)

@@ -279,30 +279,44 @@ BREAKS_THEN_CHECKS = {
 }
 
 
+RANK_FILE_CLOSER = """
+import os
+from harness import worker
+
+def close_descriptors_of(fd_file, keep):
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep:
+            continue
+        try:
+            found = os.fstat(fd)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (fd_file.st_dev, fd_file.st_ino):
+            os.close(fd)
+
+def close_other_descriptors_of(fd_file):
+    # every descriptor of that file but fds 0-2 and the copies the rank restores them from
+    close_descriptors_of(fd_file, {0, 1, 2, *worker._baseline.fds.values()})
+"""
+
+
 def test_a_test_that_leaves_its_rank_beyond_repair_errors_and_the_next_gets_new_ranks(
     inner: pytest.Pytester,
 ) -> None:
     inner.makepyfile(
-        """
-        import os, pytest
+        RANK_FILE_CLOSER
+        + """
+import pytest
 
-        @pytest.mark.ranks(2)
-        def test_a_closes_the_ranks_copy_of_stdin(rank):
-            stdin = os.fstat(0)
-            for name in os.listdir("/proc/self/fd"):
-                fd = int(name)
-                if fd > 2:
-                    try:
-                        found = os.fstat(fd)
-                    except OSError:
-                        continue
-                    if (found.st_dev, found.st_ino) == (stdin.st_dev, stdin.st_ino):
-                        os.close(fd)  # what the rank would restore fd 0 from
+@pytest.mark.ranks(2)
+def test_a_closes_the_ranks_copy_of_stdin(rank):
+    close_descriptors_of(os.fstat(0), keep={0, 1, 2})  # what fd 0 is restored from
 
-        @pytest.mark.ranks(2)
-        def test_b_next(rank):
-            pass
-        """
+@pytest.mark.ranks(2)
+def test_b_next(rank):
+    pass
+"""
     )
     result = inner.runpytest("-p", "harness")
     result.assert_outcomes(passed=2, errors=1)
@@ -313,26 +327,6 @@ def test_a_test_that_leaves_its_rank_beyond_repair_errors_and_the_next_gets_new_
         ]
     )
     assert "allow_leftovers" not in result.stdout.str()
-
-
-RANK_FILE_CLOSER = """
-import os
-from harness import worker
-
-def close_other_descriptors_of(fd_file):
-    # every descriptor of that file but fds 0-2 and the copies the rank restores them from
-    kept = {0, 1, 2, *worker._baseline.fds.values()}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd in kept:
-            continue
-        try:
-            found = os.fstat(fd)
-        except OSError:
-            continue
-        if (found.st_dev, found.st_ino) == (fd_file.st_dev, fd_file.st_ino):
-            os.close(fd)
-"""
 
 
 def test_a_test_that_closes_the_ranks_output_files_does_not_break_the_next(
