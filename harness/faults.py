@@ -108,7 +108,7 @@ def _check_travels(exc: Any, bad: Bad) -> None:
     """A fault's exception goes to the ranks pickled: one that cannot come back as itself
     would fail every rank there, blaming none of them rightly."""
     try:
-        pickle.loads(pickle.dumps(exc))
+        _rebuilt(exc)
     except Exception as error:
         if isinstance(exc, type):
             fix = "define it at module level, where a rank can import it by name"
@@ -249,9 +249,14 @@ def _afresh(exc: BaseException) -> BaseException:
     """A copy of a fault's exception instance: one shared by several runs (parametrized
     tests in a launched session) would carry every earlier run's traceback and notes."""
     try:
-        return pickle.loads(pickle.dumps(exc))  # type: ignore[no-any-return]
+        return _rebuilt(exc)  # type: ignore[no-any-return]
     except Exception:  # validated to travel; should it not, the instance, its old trace cut
         return exc.with_traceback(None)
+
+
+def _rebuilt(exc: Any) -> Any:
+    """`exc` as a rank gets it: pickled and loaded."""
+    return pickle.loads(pickle.dumps(exc))
 
 
 def _fire(fault: Fault, rank: int, where: str) -> None:
