@@ -66,10 +66,23 @@ def variables() -> dict[str, str]:
     return decoded(snapshot())
 
 
+def replaced() -> bool:
+    """Whether code replaced os.environ itself (with a dict, say): what it sets there then
+    reaches no subprocess."""
+    return os.environ is not _environ
+
+
+def put_back() -> None:
+    """The real os.environ back in place, should code have replaced it."""
+    if replaced():
+        os.environ = _environ  # noqa: B003 - the real mapping back, not a clear
+
+
 def restore(snap: Snapshot, leave: tuple[str, ...] = ()) -> None:
     """Make the environment `snap`, setting and unsetting only the variables that differ
     (os.environ.clear() alone is quadratic in their number); variables named in `leave`
     stay as they are, whatever `snap` says."""
+    put_back()
     now = snapshot()
     if leave:
         snap = dict(snap)

@@ -64,6 +64,11 @@ def findings(
             found["threads"] = (
                 f"left non-daemon threads running: {', '.join(sorted(names))}; join them"
             )
+    if "env" in checks and environment.replaced():
+        found["env"] = (
+            "replaced os.environ itself (the harness put the real one back); set variables "
+            "in os.environ, or use the monkeypatch fixture, which undoes itself"
+        )
     now = environment.variables() if "env" in checks else before.env
     if now != before.env:
         changed = sorted(

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 from _pytest.outcomes import Exit
 
-from harness import endings, hygiene, rank_warnings, reaper, runner
+from harness import endings, environment, hygiene, rank_warnings, reaper, runner
 from harness.faults import Injector
 from harness.launched import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched_watch import HangTimer, Where
@@ -203,6 +203,7 @@ def _run_here(
     reaper.kill(list(left))
     before = replace(before, env=_unpatched(before.env, item))
     outcome.leftovers = hygiene.findings(before, spec.hygiene, group_left, left)
+    environment.put_back()  # as a warm rank does; changed variables are only reported here
     return outcome, group_ok
 
 

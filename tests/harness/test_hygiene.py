@@ -56,6 +56,26 @@ def test_next_is_clean(rank):
     )
 
 
+def test_a_test_that_replaces_os_environ_is_reported_and_undone(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.ranks(2)
+        def test_a_replaces_it(rank):
+            os.environ = dict(os.environ, REPLACED="1")
+
+        @pytest.mark.ranks(2)
+        def test_b_next(rank):
+            assert "REPLACED" not in os.environ
+            assert type(os.environ).__name__ == "_Environ"
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*hygiene: rank ? replaced os.environ itself*"])
+
+
 def test_a_bad_leftover_kind_is_that_tests_error(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         HEADER

@@ -117,8 +117,13 @@ def test_leaves_env(rank, monkeypatch):
     if rank == 1:
         os.environ["LEFT_BEHIND"] = "1"
 
+@pytest.mark.ranks(2)
+def test_replaces_environ(rank):
+    os.environ = dict(os.environ, REPLACED="1")
+
 def test_plain_sees_no_group():
     assert not dist.is_initialized()
+    assert "REPLACED" not in os.environ and type(os.environ).__name__ == "_Environ"
 
 @pytest.mark.ranks(2, launch=True)
 def test_launch_mode_makes_its_own_group(rank):
@@ -161,6 +166,7 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
     assert "rank 1 failed: called sys.exit(3)" in out
     assert "needs 4 ranks, launched with 2" in out
     assert "hygiene: rank 1 changed environment variables LEFT_BEHIND" in out
+    assert "hygiene: rank 0 replaced os.environ itself" in out
     assert "PATCHED_IS_FINE" not in out.split("hygiene:")[1].splitlines()[0]
     assert junit_cases(result.junit) == {
         "test_passes": "passed",
@@ -169,6 +175,7 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
         "test_needs_four[ranks4]": "skipped",
         "test_expected_fault[ranks2]": "passed",
         "test_leaves_env[ranks2]": "error",
+        "test_replaces_environ[ranks2]": "error",
         "test_plain_sees_no_group": "passed",
         "test_launch_mode_makes_its_own_group[ranks2]": "passed",
         "test_group_is_back[ranks2]": "passed",
