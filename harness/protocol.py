@@ -133,8 +133,10 @@ class RankSpec:
         """Whether a clean run may leave its group for the next test (gloo, a harness group)."""
         return self.backend == "gloo" and not (self.fresh_group or self.launch or self.bare)
 
-    def faults_on(self, rank: int) -> tuple[Fault, ...]:
-        return tuple(f for f in self.faults if rank in f.ranks(self.world_size))
+    def faults_on(self, rank: int, faults: tuple[Fault, ...] | None = None) -> tuple[Fault, ...]:
+        """The faults (this spec's, or `faults` given for it) that apply to `rank`."""
+        every = self.faults if faults is None else faults
+        return tuple(f for f in every if rank in f.ranks(self.world_size))
 
 
 _FAULTS = "_faults_blob"  # where a rank's task holds the spec's faults, still pickled
@@ -208,8 +210,7 @@ class RunTask:
         """This rank's faults. In a rank they arrive pickled apart from the spec: call this
         once the test's module is loaded, as their exceptions may be its classes."""
         blob = self.__dict__.get(_FAULTS)
-        faults = self.spec.faults if blob is None else pickle.loads(blob)
-        return tuple(f for f in faults if self.rank in f.ranks(self.spec.world_size))
+        return self.spec.faults_on(self.rank, None if blob is None else pickle.loads(blob))
 
     def for_ranks(self, world_size: int) -> list[RunTask]:
         """This task for every rank of the run; pickling them all pickles what they share

@@ -92,10 +92,15 @@ def _restore_fds(base: Baseline) -> None:
 
 def _same_file(fd: int, saved: int) -> bool:
     try:
-        now, then = os.fstat(fd), os.fstat(saved)
+        return file_id(fd) == file_id(saved)
     except OSError:
         return False
-    return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+
+def file_id(fd: int) -> tuple[int, int]:
+    """Which file `fd` is open on (device, inode); raises OSError for a closed fd."""
+    found = os.fstat(fd)
+    return found.st_dev, found.st_ino
 
 
 def _restore_streams(base: Baseline) -> None:

@@ -162,7 +162,7 @@ def _watch_stacks(path: Path) -> None:
     # Never closed by the object: a test may have closed an earlier one's fd, whose number
     # can belong to something else by now.
     _stack_file = open(fd, "a", closefd=False)  # noqa: SIM115 - must outlive this frame
-    _stack_path, _stack_id = path, _file_id(fd)
+    _stack_path, _stack_id = path, rank_state.file_id(fd)
     faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
 
 
@@ -172,14 +172,9 @@ def _stacks_still_watched() -> bool:
     if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:
         return False
     try:
-        return _file_id(_stack_file.fileno()) == _stack_id
+        return rank_state.file_id(_stack_file.fileno()) == _stack_id
     except (OSError, ValueError):
         return False
-
-
-def _file_id(fd: int) -> tuple[int, int]:
-    found = os.fstat(fd)
-    return found.st_dev, found.st_ino
 
 
 def _flush() -> None:
