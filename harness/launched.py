@@ -145,13 +145,7 @@ class LaunchedSession:
     def get(self, key: str, seconds: float) -> bytes | None:
         """The value rank 0 (or any one rank) published at `key`, waiting up to `seconds`."""
         assert self.peers is not None
-        start = time.monotonic()
-        while not self.peers.has(key):
-            waited = time.monotonic() - start
-            if waited >= seconds or (self.stopping and waited >= 3.0):
-                return None
-            self.finished.wait(0.05)  # a bounded pause between polls
-        return self.peers.read(key)
+        return self.peers.wait_for(key, seconds)
 
     def gather(self, name: str, value: bytes | str | None, seconds: float) -> list[bytes | None]:
         """Every rank's `value` under `name`, in rank order; None for a rank that did not

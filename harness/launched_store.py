@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -86,24 +86,40 @@ class Peers:
         reasons = {r: absent.get(r, "gone before") for r, v in enumerate(values) if v is None}
         return values, reasons
 
-    def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
+    def polls(self, seconds: float) -> Iterator[float]:
+        """Yields the seconds waited so far, pausing between yields (briefly at first, as
+        ranks usually arrive together, longer later); stops after `seconds`, or a few once the
+        launcher is stopping the job. The caller leaves the loop when what it awaits is there."""
         start = time.monotonic()
-        pause, looked = _FIRST_POLL_S, start
-        given_up: dict[int, str] = {}
+        pause = _FIRST_POLL_S
         while True:
+            waited = time.monotonic() - start
+            yield waited
+            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S):
+                return
+            self._tick.wait(pause)
+            pause = min(pause * 2, _LAST_POLL_S)
+
+    def wait_for(self, key: str, seconds: float) -> bytes | None:
+        """The value at `key` once some rank sets it; None if it is not set within `seconds`."""
+        for _ in self.polls(seconds):
+            if self.has(key):
+                return self.read(key)
+        return None
+
+    def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
+        given_up: dict[int, str] = {}
+        start = looked = time.monotonic()
+        for _ in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
             if not waiting or self.store.check([keys[r] for r in waiting]):
                 return given_up
-            now = time.monotonic()
-            waited = now - start
-            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S):
-                missing = [r for r in waiting if not self.has(keys[r])]
-                return given_up | {r: self._late(r, waited) for r in missing}
-            if now - looked >= _ABSENTEES_EVERY_S:
-                looked = now
+            if time.monotonic() - looked >= _ABSENTEES_EVERY_S:
+                looked = time.monotonic()
                 given_up |= self._absentees(keys, waiting)
-            self._tick.wait(pause)
-            pause = min(pause * 2, _LAST_POLL_S)
+        waited = time.monotonic() - start
+        missing = [r for r in awaited if r not in given_up and not self.has(keys[r])]
+        return given_up | {r: self._late(r, waited) for r in missing}
 
     def _absentees(self, keys: list[str], ranks: list[int]) -> dict[int, str]:
         """Peers not worth waiting for: silent ones, and ones already past this exchange.
