@@ -17,7 +17,8 @@ from typing import Any
 
 from harness.outcome import Ending, RankOutcome, exit_code
 
-# pytest's outcome exceptions a test body may raise, by class name (pytest.skip, pytest.xfail).
+# pytest's outcome exceptions a test body may raise (pytest.skip, pytest.xfail): their class
+# names, a quick first test before the classes themselves are checked.
 PYTEST_OUTCOMES = {"Skipped": Ending.SKIPPED, "XFailed": Ending.XFAILED}
 _OWN_FILES: set[str] = {__file__}
 
@@ -38,9 +39,8 @@ def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
         outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
         outcome.traceback = user_traceback(exc)  # where it was called
-    elif type(exc).__name__ in PYTEST_OUTCOMES:
-        ending = PYTEST_OUTCOMES[type(exc).__name__]
-        return ended(key, rank, ending, message=str(getattr(exc, "msg", exc)))
+    elif (ending := _pytest_outcome(exc)) is not None:
+        return ended(key, rank, ending, message=_text(getattr(exc, "msg", exc)))
     else:
         outcome = raised(key, rank, exc)
     origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
@@ -49,18 +49,52 @@ def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
     return outcome
 
 
+def _pytest_outcome(exc: BaseException) -> Ending | None:
+    """SKIPPED or XFAILED for pytest's own skip and xfail, not for a class named alike."""
+    if type(exc).__name__ not in PYTEST_OUTCOMES:
+        return None
+    from _pytest.outcomes import Skipped, XFailed
+
+    if isinstance(exc, XFailed):
+        return Ending.XFAILED
+    return Ending.SKIPPED if isinstance(exc, Skipped) else None
+
+
+def qualified_name(cls: type) -> str:
+    """'builtins.ValueError', 'pkg.errors.TimeoutError': what tells two classes apart."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _text(value: object) -> str:
+    """str(value), or what it is when its __str__ fails (the report must still be made)."""
+    try:
+        return str(value)
+    except Exception as exc:
+        return f"<str() of {type(value).__name__} raised {type(exc).__name__}>"
+
+
 def raised(key: str, rank: int, exc: BaseException, note: str = "") -> RankOutcome:
     outcome = ended(
         key,
         rank,
         Ending.RAISED,
-        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        exc_type=qualified_name(type(exc)),
         exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
-        message=str(exc),
+        exc_classes=tuple(qualified_name(cls) for cls in type(exc).__mro__),
+        message=_text(exc),
         traceback=user_traceback(exc),
     )
     if note:
         outcome.notes.append(note)
+    return outcome
+
+
+def not_reached(key: str, rank: int, missed: BaseException) -> RankOutcome:
+    """A rank that returned with a fault never fired: the test's own mistake, which no
+    expected exception (not even raises(BaseException)) or xfail(raises=E) may take for
+    the fault. Never raised: no traceback, the message says it all."""
+    outcome = raised(key, rank, missed)
+    outcome.exc_mro, outcome.exc_classes = outcome.exc_mro[:1], outcome.exc_classes[:1]
     return outcome
 
 
@@ -72,7 +106,8 @@ def returned(key: str, rank: int, value: Any) -> RankOutcome:
     try:
         outcome.value_blob = pickle.dumps(value)
     except Exception as exc:
-        outcome.notes.append(f"the return value could not be sent back: {exc!r}")
+        outcome.value_lost = f"{type(exc).__name__}: {_text(exc)}"
+        outcome.notes.append(f"the return value could not be sent back: {outcome.value_lost}")
     return outcome
 
 

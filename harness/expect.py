@@ -48,7 +48,7 @@ class Expected:
     """One rank's expected end."""
 
     ending: Wanted
-    exc: str = ""  # exception class name for RAISES
+    exc: str = ""  # for RAISES: the class's qualified name ("pkg.errors.Timeout"), or a name
     match: str | None = None
     code: int | None = None
     signal: int | None = None
@@ -67,7 +67,7 @@ class Expected:
     def describe(self) -> str:
         if self.ending is Wanted.RAISES:
             match = f" matching {self.match!r}" if self.match is not None else ""
-            return f"raises {self.exc}{match}"
+            return f"raises {self.exc.removeprefix('builtins.')}{match}"
         if self.ending is Wanted.EXITS:
             return f"exits with code {self.code}"
         if self.ending is Wanted.KILLED:
@@ -80,9 +80,20 @@ class Expected:
 def _raised_as_expected(want: Expected, got: RankOutcome) -> bool:
     return (
         got.ending is Ending.RAISED
-        and want.exc in got.exc_mro
+        and any(is_class_named(want.exc, cls) for cls in got.exc_classes)
         and (want.match is None or re.search(want.match, got.message) is not None)
     )
+
+
+def is_class_named(wanted: str, qualified: str) -> bool:
+    """Whether the class of `qualified` name ("module.Qual.Name") is `wanted`: that same
+    qualified name, or a name it ends with ("Name", "Qual.Name") when given as a string."""
+    return qualified == wanted or qualified.endswith("." + wanted)
+
+
+def class_name(cls: type) -> str:
+    """What raises(cls) compares: the class's qualified name ("builtins.ValueError")."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 _MATCHERS: dict[Wanted, Callable[[Expected, RankOutcome], bool]] = {
@@ -95,7 +106,8 @@ _MATCHERS: dict[Wanted, Callable[[Expected, RankOutcome], bool]] = {
     Wanted.ABORTS: lambda want, got: (
         got.ending is Ending.HARD_EXIT and got.exit_code == RANKWISE_ABORT_EXIT_CODE
     ),
-    Wanted.HANGS: lambda want, got: got.ending is Ending.HUNG,
+    # Hung at the test's deadline: not killed early because a peer had failed.
+    Wanted.HANGS: lambda want, got: got.ending is Ending.HUNG and not got.after_failure,
 }
 
 
@@ -105,8 +117,9 @@ def returns() -> Expected:
 
 
 def raises(exc: type[BaseException] | str, match: str | None = None) -> Expected:
-    """Raises `exc` (or a subclass; a class or its name), its message matching `match`."""
-    name = exc if isinstance(exc, str) else exc.__name__
+    """Raises `exc` (or a subclass), its message matching `match`. A class is told apart from
+    another of the same name; a name (a string) matches any class of that name."""
+    name = exc if isinstance(exc, str) else class_name(exc) if isinstance(exc, type) else None
     if not isinstance(name, str) or not name:
         raise ExpectationError(f"raises() needs an exception class or name; got {exc!r}")
     return Expected(Wanted.RAISES, exc=name, match=match)

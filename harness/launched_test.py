@@ -220,7 +220,7 @@ def _body(key: str, rank: int, call: Callable[[], Any], injector: Injector) -> R
         return outcome
     missed = injector.unreached()
     if missed is not None:
-        return endings.raised(key, rank, missed)
+        return endings.not_reached(key, rank, missed)
     return endings.returned(key, rank, value)
 
 

@@ -34,6 +34,8 @@ _PEER_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _C10D_FRAME = re.compile(r'distributed_c10d\.py", line \d+ in (\w+)')
 # A traceback's line for the same frame: File ".../distributed_c10d.py", line 5356, in barrier
 _C10D_TRACEBACK_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
+# A traceback's frame in torch.distributed (c10d, functional collectives, FSDP, DTensor).
+_TORCH_DISTRIBUTED_FRAME = re.compile(r'File "[^"]*/torch/distributed/')
 _PEER_ERROR_TEXT = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"
     r"ProcessGroup.*(aborted|destroyed)|communicator was aborted|"
@@ -63,8 +65,10 @@ class RankOutcome:
     at: float = 0.0  # time.monotonic() when the rank ended (system-wide clock)
     value_blob: bytes | None = None
     value_repr: str = ""
+    value_lost: str = ""  # why the return value could not be sent back, if it could not
     exc_type: str = ""  # qualified name, e.g. "builtins.ValueError"
     exc_mro: tuple[str, ...] = ()  # class names of the type and its bases
+    exc_classes: tuple[str, ...] = ()  # their qualified names ("builtins.ValueError")
     message: str = ""
     traceback: str = ""
     exit_code: int | None = None
@@ -93,7 +97,13 @@ class RankOutcome:
 
     @property
     def value(self) -> Any:
-        """The rank's return value (loaded in the pytest process), or None."""
+        """The rank's return value (loaded in the pytest process), or None; ValueError for
+        one that could not be sent back (it is not taken for None)."""
+        if self.value_lost:
+            raise ValueError(
+                f"rank {self.rank} returned {self.value_repr} but it could not be sent back to "
+                f"the pytest process ({self.value_lost}); return a value that pickles"
+            )
         if self.value_blob is None:
             return None
         return pickle.loads(self.value_blob)
@@ -127,7 +137,14 @@ class RankOutcome:
             return self.origin_rank != self.rank
         if self.ending is not Ending.RAISED:
             return False
-        return self.exc_name in _PEER_ERROR_TYPES or bool(_PEER_ERROR_TEXT.search(self.message))
+        if self.exc_name in _PEER_ERROR_TYPES:
+            return True
+        # Words like "Connection refused" mean a peer is gone only in torch.distributed's
+        # errors: the rank's own sockets and pipes fail with the same words.
+        from_torch = _TORCH_DISTRIBUTED_FRAME.search(self.traceback) is not None or any(
+            name.startswith("torch.") for name in self.exc_classes
+        )
+        return from_torch and bool(_PEER_ERROR_TEXT.search(self.message))
 
     def describe(self) -> str:
         """One phrase: 'raised ValueError: bad', 'died of SIGSEGV', 'hung in all_reduce(...)'."""

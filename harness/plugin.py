@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness import launched_hooks, runner, settings
+from harness import launched_hooks, rank_made, runner, settings
 from harness.errors import SpecError
 from harness.faults import Fault
 from harness.protocol import RankSpec
@@ -111,7 +111,15 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
         launched_hooks.plain_set_up(item)
     if gpu or (spec is not None and spec.backend == "nccl"):
         runner.skip_without_gpus(spec.world_size if spec is not None else 1)
+    if spec is not None:
+        rank_made.remember(item)
     return (yield)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef: Any, request: Any) -> object | None:
+    """A fixture that uses a rank's own fixtures is made in each rank, not here."""
+    return rank_made.skip_in_pytest(fixturedef, request)
 
 
 # ---- running -------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from harness.stacks import dump_stacks
 # After one rank fails, how long its peers get to finish before they count as hung. gloo
 # peers fail within milliseconds once the failing rank tears its group down.
 FAILURE_GRACE_S = 5.0
+TEST_FAILURE_GRACE = "_HARNESS_TEST_FAILURE_GRACE_S"  # the harness's own tests shorten it
 # How long a pool may take to start (spawn imports torch once per rank).
 START_TIMEOUT_S = 120.0
 OUTPUT_LIMIT = 64 * 1024
@@ -280,6 +281,12 @@ class _Run:
         self.timeout_s = timeout_s
         self.outcomes: dict[int, RankOutcome] = {}
         self.first_failure_at: float | None = None
+        # When the first rank ended in a way the test did not declare: its peers then get
+        # FAILURE_GRACE_S to finish. An ending the test expects (expect(rank=0, does=...)),
+        # a skip or an xfail leaves them the whole timeout.
+        self.grace_from: float | None = None
+        self._expected = tasks[0].spec.expected
+        self._grace_s = float(os.environ.get(TEST_FAILURE_GRACE, FAILURE_GRACE_S))
         # Every rank's pipe and process sentinel, polled for the whole run: a selector made
         # per wait (multiprocessing.connection.wait) registers them all again every time.
         self._poll = select.poll()
@@ -297,8 +304,8 @@ class _Run:
         deadline = start + self.timeout_s
         while len(self.outcomes) < len(self.slots):
             limit = deadline
-            if self.first_failure_at is not None:
-                limit = min(deadline, self.first_failure_at + FAILURE_GRACE_S)
+            if self.grace_from is not None:
+                limit = min(deadline, self.grace_from + self._grace_s)
             remaining = limit - time.monotonic()
             if remaining <= 0:
                 self._handle_hang()
@@ -388,6 +395,15 @@ class _Run:
         self._unwatch(outcome.rank)
         if not outcome.ok and self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
+        if self.grace_from is None and self._unexpected(outcome):
+            self.grace_from = time.monotonic()
+
+    def _unexpected(self, outcome: RankOutcome) -> bool:
+        if outcome.ending in (Ending.SKIPPED, Ending.XFAILED):
+            return False
+        if self._expected:
+            return not self._expected[outcome.rank].matches(outcome)
+        return not outcome.ok
 
     def _handle_hang(self) -> None:
         """Dump the stuck ranks' Python stacks; `collect` then closes the pool."""
@@ -403,10 +419,10 @@ class _Run:
                 at=now,
                 stack=stacks.get(slot.rank, ""),
                 where=slot.read_where(),
-                after_failure=self.first_failure_at is not None,
+                after_failure=self.grace_from is not None,
             )
-            if self.first_failure_at is not None:
-                waited = now - self.first_failure_at
+            if self.grace_from is not None:
+                waited = now - self.grace_from
                 outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
             else:
                 outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")

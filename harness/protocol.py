@@ -292,13 +292,54 @@ def decode_where(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
+@dataclass(frozen=True)
+class FixtureRecipe:
+    """A fixture a rank makes by calling its function, because it uses a fixture only a rank
+    has (its rank, device, tmp_path, monkeypatch, ...), directly or through another one."""
+
+    key: str  # its name; "name#1" for a definition an override of it requests, and so on
+    module: str  # where a rank finds its function: the module and the qualified name there
+    qualname: str
+    args: tuple[tuple[str, str], ...]  # (parameter, key of the value it is called with)
+    has_param: bool = False  # a parametrized fixture: request.param is this
+    param: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.key.partition("#")[0]
+
+
+@dataclass(frozen=True)
+class FixturePlan:
+    """The fixtures a rank makes itself, in order (a fixture after those it uses), and the
+    values they use that the test's own arguments do not hold, by key."""
+
+    recipes: tuple[FixtureRecipe, ...]
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """What a run's target is called with, loaded in the rank."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    instance_state: dict[str, Any] | None  # a test class instance's attributes
+    fixtures: FixturePlan | None  # fixtures the rank makes before the call
+
+
 def encode_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any], instance_state: dict[str, Any] | None = None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    instance_state: dict[str, Any] | None = None,
+    fixtures: FixturePlan | None = None,
 ) -> bytes:
-    """A run's arguments, for the trip to the ranks; a test class instance's attributes too."""
-    return pickle.dumps((args, kwargs, instance_state))
+    """A run's arguments, for the trip to the ranks; a test class instance's attributes and
+    the fixtures the ranks make too. One pickle: a value the test and a fixture share stays
+    one object."""
+    return pickle.dumps((args, kwargs, instance_state, fixtures))
 
 
-def decode_args(blob: bytes) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any] | None]:
-    args, kwargs, state = pickle.loads(blob)
-    return tuple(args), dict(kwargs), state
+def decode_args(blob: bytes) -> RunArgs:
+    args, kwargs, state, fixtures = pickle.loads(blob)
+    return RunArgs(tuple(args), dict(kwargs), state, fixtures)

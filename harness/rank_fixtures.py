@@ -3,20 +3,28 @@
 ``capsys``/``capfd`` (and their binary forms) capture this rank's output, ``caplog`` its log
 records, ``recwarn`` its warnings, ``monkeypatch`` patches and undoes here, ``tmp_path`` and
 ``tmpdir`` are this rank's own directory, and ``request`` is a snapshot of the pytest-side
-request (node, markers, parameters, options) whose ``addfinalizer`` runs in the rank. Runs
-inside ranks; imports pytest, not torch.
+request (node, markers, parameters, options) whose ``addfinalizer`` runs in the rank. The
+test's own fixtures that use any of these (see ``harness.rank_made``) are called here too,
+from the recipes the pytest process sent. Runs inside ranks; imports pytest, not torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.protocol import RANK_SIDE_FIXTURES, RequestInfo
+from harness import endings
+from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe, RequestInfo
+
+endings.skip_frames_of(__file__)  # a fixture's traceback starts at its own function
 
 
 class RankNode:
@@ -59,28 +67,35 @@ class RankConfig:
 
 
 class RankRequest:
-    """The test's ``request`` inside a rank; ``addfinalizer`` runs there after the test."""
+    """The test's ``request`` inside a rank; ``addfinalizer`` runs there after the test. A
+    fixture the rank makes gets a copy naming it, with its own ``param``."""
 
-    def __init__(self, info: RequestInfo) -> None:
+    def __init__(self, info: RequestInfo, on_teardown: Callable[[Callable[[], object]], Any]):
         self.node = RankNode(info)
         self.config = RankConfig(info)
         self.fixturenames = list(info.fixturenames)
         self.keywords = self.node.keywords
+        self.fixturename: str | None = None
         self._param, self._has_param = info.param, info.has_param
-        self._finalizers: list[Callable[[], object]] = []
+        self._on_teardown = on_teardown
 
     @property
     def param(self) -> Any:
         if not self._has_param:
-            raise AttributeError("'request' of a test function has no 'param'")
+            raise AttributeError(f"'request' of {self._whose()} has no 'param'")
         return self._param
 
     def addfinalizer(self, finalizer: Callable[[], object]) -> None:
-        self._finalizers.append(finalizer)
+        self._on_teardown(finalizer)
 
-    def run_finalizers(self) -> None:
-        while self._finalizers:
-            self._finalizers.pop()()
+    def for_fixture(self, recipe: FixtureRecipe) -> RankRequest:
+        view = copy.copy(self)
+        view.fixturename = recipe.name
+        view._param, view._has_param = recipe.param, recipe.has_param
+        return view
+
+    def _whose(self) -> str:
+        return "a test function" if self.fixturename is None else f"fixture {self.fixturename!r}"
 
 
 # The fixtures RankFixtures.make makes (the rank fills `rank` and `device` in as plain values).
@@ -88,12 +103,13 @@ MADE_HERE = frozenset(RANK_SIDE_FIXTURES) - {"rank", "device"}
 
 
 class RankFixtures:
-    """Makes the fixtures a test asked for in this rank, and undoes them after the body."""
+    """Makes the fixtures a test asked for in this rank, and undoes them after the body, the
+    latest first, as pytest does."""
 
     def __init__(self, rank: int, info: RequestInfo | None) -> None:
         self._rank = rank
-        self._request = RankRequest(info) if info is not None else None
         self._stack = contextlib.ExitStack()
+        self._request = RankRequest(info, self._stack.callback) if info is not None else None
 
     def make(self, sent: dict[str, Any]) -> dict[str, Any]:
         """Values for the rank-side fixtures among `sent` (the pytest side's values)."""
@@ -113,13 +129,35 @@ class RankFixtures:
         }
         return {name: make(sent[name]) for name, make in makers.items() if name in sent}
 
-    def close(self) -> None:
-        """Undo everything made, finalizers first (the latest first), as pytest does."""
+    def make_fixtures(self, plan: FixturePlan, made: dict[str, Any], holder: object) -> None:
+        """Call the fixtures of `plan` in order, each with values from `made` (the test's
+        arguments and the plan's values, rank-side ones made), adding each to `made`.
+        `holder` is the test's class instance, for fixtures defined in its class."""
+        for recipe in plan.recipes:
+            kwargs = {
+                param: self._request.for_fixture(recipe)
+                if param == "request" and self._request is not None
+                else made[key]
+                for param, key in recipe.args
+            }
+            made[recipe.key] = self._call(recipe, _fixture_function(recipe, holder), kwargs)
+
+    def _call(self, recipe: FixtureRecipe, function: Callable[..., Any], kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            pytest.fail(f"fixture {recipe.name!r} is async: pytest runs no async fixture", False)
+        if not inspect.isgeneratorfunction(function):
+            return function(**kwargs)
+        generator = function(**kwargs)
         try:
-            if self._request is not None:
-                self._request.run_finalizers()
-        finally:
-            self._stack.close()
+            value = next(generator)
+        except StopIteration:
+            raise ValueError(f"fixture {recipe.name!r} did not yield a value") from None
+        self._stack.callback(_finish, recipe.name, generator)
+        return value
+
+    def close(self) -> None:
+        """Undo everything made and run the finalizers, the latest first."""
+        self._stack.close()
 
     def _capture(self, kind: str) -> Any:
         from _pytest import capture
@@ -154,6 +192,38 @@ class _StashHolder:
 
     def __init__(self) -> None:
         self.stash = pytest.Stash()
+
+
+def _finish(name: str, generator: Any) -> None:
+    """A yield fixture's teardown: the rest of its function, which must not yield again."""
+    try:
+        next(generator)
+    except StopIteration:
+        return
+    pytest.fail(f"fixture {name!r} has more than one 'yield'", pytrace=False)
+
+
+def _fixture_function(recipe: FixtureRecipe, holder: object) -> Callable[..., Any]:
+    """The function of a fixture the rank makes, found by name; bound to the test's class
+    instance when the fixture is a method of its class (a new instance for another class)."""
+    found: Any = importlib.import_module(recipe.module)
+    parts = recipe.qualname.split(".")
+    for part in parts[:-1]:
+        found = getattr(found, part)
+    function: Callable[..., Any] = _unwrapped(getattr(found, parts[-1]))
+    if isinstance(found, type):
+        instance = holder if isinstance(holder, found) else found()
+        return functools.partial(function, instance)
+    return function
+
+
+def _unwrapped(obj: Any) -> Any:
+    """The plain function under pytest's fixture decoration (pytest 8.4+, and before)."""
+    get = getattr(obj, "_get_wrapped_function", None)
+    if get is not None:
+        return get()
+    wrapped = getattr(obj, "__pytest_wrapped__", None)
+    return wrapped.obj if wrapped is not None else obj
 
 
 def _legacy_path(path: Path) -> Any:

@@ -19,13 +19,14 @@ from _pytest.outcomes import Failed
 
 from harness import expect as expectations
 from harness import faults as fault_specs
-from harness import rank_warnings
+from harness import rank_made, rank_warnings
 from harness.errors import SpecError
 from harness.faults import Fault
 from harness.hygiene import CHECKS
 from harness.outcome import (
     Ending,
     RankOutcome,
+    diagnose,
     failure_text,
     ranks_phrase,
     set_up_failure_text,
@@ -146,11 +147,22 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
     """
     kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
     state = dict(vars(item.instance)) if item.instance is not None else None
+    fixtures = rank_made.plan(item, lambda name, depth: _dependency(item, name, depth))
     try:
-        return encode_args((), kwargs, state)
+        return encode_args((), kwargs, state, fixtures)
     except Exception:
-        _fail_naming_the_fixture(item, {**kwargs, **(state or {})})
+        extra = fixtures.values if fixtures is not None else {}
+        _fail_naming_the_fixture(item, {**kwargs, **extra, **(state or {})})
         raise  # no single value is to blame: the error as pickle gave it
+
+
+def _dependency(item: pytest.Function, name: str, depth: int) -> Any:
+    """What a fixture made in the ranks is called with, from a fixture made here: at depth 1
+    and beyond, the definition an override requests by its own name."""
+    if depth == 0:
+        return _sent_value(item, name)
+    fixturedef = item._fixtureinfo.name2fixturedefs[name][-1 - depth]
+    return fixturedef.cached_result[0] if fixturedef.cached_result is not None else None
 
 
 # pytest's fixtures bound to the pytest process itself (its reports, cache, config, files).
@@ -297,7 +309,17 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     if text is not None:
         first, _, rest = text.partition("\n")
         message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
-        raise _as_the_xfail_marker_expects(item, outcomes, message)
+        raise _as_the_xfail_marker_expects(item, _root_cause(spec, outcomes), message)
+
+
+def _root_cause(spec: RankSpec, outcomes: list[RankOutcome]) -> RankOutcome | None:
+    """The rank the failure report puts first, if one rank is to blame."""
+    if spec.expected:
+        failed = [o.rank for o in outcomes if not spec.expected[o.rank].matches(o)]
+    else:
+        failed = [o.rank for o in outcomes if not o.ok]
+    root = diagnose(outcomes, failed).root
+    return None if root is None else next(o for o in outcomes if o.rank == root)
 
 
 def _xfail_if_ranks_did(outcomes: list[RankOutcome]) -> None:
@@ -319,24 +341,27 @@ def _fail_a_partial_skip(outcomes: list[RankOutcome]) -> None:
 
 
 def _as_the_xfail_marker_expects(
-    item: pytest.Item, outcomes: list[RankOutcome], message: str
+    item: pytest.Item, root: RankOutcome | None, message: str
 ) -> BaseException:
-    """The failure to raise: pytest.fail's, or for xfail(raises=E) with E raised on the root
-    cause's rank, an E, which is what pytest's xfail checks."""
+    """The failure to raise: pytest.fail's, or for xfail(raises=E) with E (or a subclass)
+    raised on the root cause's rank, an E, which is what pytest's xfail checks."""
     mark = item.get_closest_marker("xfail")
     raises = mark.kwargs.get("raises") if mark is not None else None
     failure = Failed(message, pytrace=False)
-    if raises is None:
+    if raises is None or root is None or root.ending is not Ending.RAISED:
         return failure
     wanted = raises if isinstance(raises, tuple) else (raises,)
-    names = {name for o in outcomes if o.ending is Ending.RAISED for name in o.exc_mro[:1]}
     for cls in wanted:
-        if cls.__name__ in names:
+        if isinstance(cls, type) and issubclass(cls, BaseException) and _named(cls, root):
             with contextlib.suppress(Exception):
                 error: BaseException = cls.__new__(cls)
                 error.args = (message,)
                 return error
     return failure
+
+
+def _named(cls: type, root: RankOutcome) -> bool:
+    return expectations.class_name(cls) in root.exc_classes
 
 
 def skip_without_gpus(needed: int) -> None:

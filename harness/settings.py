@@ -10,6 +10,7 @@ the test is set up, so a typo in one test never stops the others.
 from __future__ import annotations
 
 import os
+import unittest
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -246,6 +247,12 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
     mark = item.get_closest_marker("ranks")
     assert mark is not None, item.nodeid
     origin = f"@pytest.mark.ranks on {item.nodeid}"
+    if item.cls is not None and issubclass(item.cls, unittest.TestCase):
+        raise SpecError(
+            f"{origin} cannot run a unittest.TestCase method on ranks (unittest runs it "
+            f"itself, in the pytest process): make it a test function or a plain test class; "
+            f"a torch MultiProcessTestCase suite runs on ranks with --rank-adopt torch"
+        )
     unknown = set(mark.kwargs) - set(RANKS_OPTIONS)
     if unknown:
         raise SpecError(

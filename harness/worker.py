@@ -56,6 +56,7 @@ from harness.protocol import (
     DUMP_STACKS_SIGNAL,
     SIMULATED_SET_UP_FAILURES,
     WHERE_SIZE,
+    FixturePlan,
     Kind,
     Message,
     RankFiles,
@@ -476,23 +477,28 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     faults: tuple[Fault, ...]
+    fixtures: FixturePlan | None  # the test's fixtures this rank makes
 
 
 def _prepare_call(task: RunTask) -> _Call:
     """Load the test's module, then what may refer to its classes: the arguments, the faults."""
     _finder.learn(task.target)  # first: those classes may live in modules only pytest can find
-    args, kwargs, instance_state = decode_args(task.args_blob)
-    fn = _resolve(task, instance_state)
-    return _Call(fn, args, kwargs, task.load_faults())
+    run = decode_args(task.args_blob)
+    fn = _resolve(task, run.instance_state)
+    return _Call(fn, run.args, run.kwargs, task.load_faults(), run.fixtures)
 
 
 def _run_target(task: RunTask, call: _Call, injector: Injector) -> RankOutcome:
-    fn, args, kwargs = call.fn, call.args, call.kwargs
-    info = kwargs.get("request")
+    fn, args, kwargs, plan = call.fn, call.args, call.kwargs, call.fixtures
+    made = kwargs if plan is None else {**plan.values, **kwargs}  # every fixture's value
+    info = made.get("request")
     fixtures = RankFixtures(task.rank, info if isinstance(info, RequestInfo) else None)
     try:
-        kwargs.update(_rank_side_values(task, kwargs))
-        kwargs.update(fixtures.make(kwargs))
+        made.update(_rank_side_values(task, made))
+        made.update(fixtures.make(made))
+        if plan is not None:
+            fixtures.make_fixtures(plan, made, getattr(fn, "__self__", None))
+            kwargs = {name: made[name] for name in kwargs}
         injector.at_start()
         value = fn(*args, **kwargs)
         endings.refuse_awaitable(value)
@@ -504,12 +510,12 @@ def _run_target(task: RunTask, call: _Call, injector: Injector) -> RankOutcome:
         with contextlib.suppress(BaseException):
             fixtures.close()
         endings.release(exc)
-        del exc, args, kwargs, call
+        del exc, args, kwargs, made, call
         _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
     missed = injector.unreached()
     if missed is not None:
-        return _raised(task, missed)  # never raised: no traceback, the message says it all
+        return endings.not_reached(task.key, task.rank, missed)
     return endings.returned(task.key, task.rank, value)
 
 

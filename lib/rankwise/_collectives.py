@@ -57,9 +57,14 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
     rank exits with its own code, or the first one's. The same `label` must be used on every
     rank; ranks out of step raise.
     """
-    call = Call("all_reduce", _checked_label("all_reduce", label))
+    refused = _label_error("all_reduce", label)
+    call = Call("all_reduce", label if refused is None else repr(label))
     if single_process(call.text):
+        if refused is not None:
+            raise refused
         return combine([fn()])
+    if refused is not None:  # in the exchange all the same, so the peers raise too
+        fn = _raising(refused)
     return combine(gather_values(call, fn, None))
 
 
@@ -74,19 +79,23 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     whose label differs from `src`'s raises; `src` returns its value (the spec's contract).
     Ranks in another collective, or naming another `src`, raise on every rank.
     """
-    call = Call("broadcast_from", _checked_label("broadcast_from", label))
-    if isinstance(src, bool) or not isinstance(src, int):
-        raise TypeError(f"{call.text}: src must be an int rank; got {src!r}")
-    if single_process(call.text):
-        _check_src(call, src, 1)
+    bad_label = _label_error("broadcast_from", label)
+    call = Call("broadcast_from", label if bad_label is None else repr(label))
+    solo = single_process(call.text)
+    refused = bad_label or _src_error(call, src, 1 if solo else size())
+    if solo:
+        if refused is not None:
+            raise refused
         return fn()
-    _check_src(call, src, size())
     with _points.point(call.kind, call.label, hold_errors=True) as held:
-        if rank() == src:
+        if refused is not None:  # joins all the same: every peer raises too, none waits
+            entry, error, payload = run_fn(call, _raising(refused))
+        elif rank() == src:
             entry, error, payload = run_fn(call, fn, held)
         else:
             entry, error, payload = Entry(), None, b""
-        headers = exchange(call, replace(entry, root=src), None, payload)
+        headers = exchange(call, replace(entry, root=_as_root(src)), None, payload)
+        _raise_for_refusals(headers, error, src)
         _raise_for_source(headers, error, src)
         data = headers.inline[headers.members.index(src)]
         if data is None:  # too large for src's header
@@ -187,12 +196,17 @@ def _exchange_words(text: str, error: str, group: Any) -> list[dict[str, str]]:
 
 
 def _words(text: str, error: str) -> bytes:
-    """JSON of the call and the error, the error shortened until it fits in a header."""
+    """JSON of the call and the error, shortened until it fits in a header: the error first,
+    then the call (a label of wide characters can fill a header on its own)."""
+    call = text[:400]
     while True:
-        words = json.dumps({"call": text[:400], "error": error}).encode()
+        words = json.dumps({"call": call, "error": error}, ensure_ascii=False).encode()
         if len(words) <= HEADER_BYTES:
             return words
-        error = error[: len(error) // 2] + "..."
+        if len(error) > 16:
+            error = error[: len(error) // 2] + "..."
+        else:  # both end short enough: a few dozen characters always fit
+            call = call[: len(call) // 2] + "..."
 
 
 def _header(call: Call, mine: Entry, payload: bytes) -> bytearray:
@@ -227,10 +241,14 @@ def out_of_step(headers: Headers) -> RuntimeError:
     where = "; ".join(
         f"rank {m} in {t}" for m, t in zip(headers.members, headers.texts, strict=True)
     )
-    return RuntimeError(
+    error = RuntimeError(
         f"{headers.call.text} on rank {rank()}: ranks out of step ({where}); every rank must "
         f"reach the same labelled collectives in the same order"
     )
+    # Raised inside an enclosing collective's fn, it leaves that collective without its
+    # exchange: the peers it would wait for raised at the exchange that found it (run_fn).
+    error._rankwise_out_of_step = True  # type: ignore[attr-defined]
+    return error
 
 
 def raise_if_disagreeing(headers: Headers, name: str, values: list[int]) -> None:
@@ -262,7 +280,14 @@ def raise_for_failures(
     """Raise on every rank if any rank failed or is out of step (see all_reduce for who
     raises what); `failed_as` words the others' message: "rank 2 raised ValueError: ..."."""
     if not headers.in_step:
-        raise out_of_step(headers)
+        if error is not None and getattr(error, "_rankwise_refusal", False):
+            raise _from(rank(), error)  # its own bad label put it out of step
+        refused = [
+            m
+            for m, e, key in zip(headers.members, headers.entries, headers.keys, strict=True)
+            if e.status == "error" and key != headers.call.key
+        ]  # out of step because its own call failed (a bad label): the failure is its
+        raise _from(refused[0], out_of_step(headers)) if refused else out_of_step(headers)
     failed = [
         (m, e) for m, e in zip(headers.members, headers.entries, strict=True) if e.status == "error"
     ]
@@ -312,6 +337,8 @@ def run_fn(
     except SystemExit as exc:
         return Entry("exit", code=_exit_code(exc)), exc, b""
     except BaseException as exc:
+        if getattr(exc, "_rankwise_out_of_step", False):
+            raise  # a collective inside fn found ranks out of step: every rank is leaving
         return Entry("error", error=f"{type(exc).__name__}: {exc}"), exc, b""
     return Entry(length=len(payload)), None, payload
 
@@ -347,17 +374,54 @@ def _members(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _checked_label(kind: str, label: str) -> str:
-    if not isinstance(label, str):
-        raise TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
-    return label
+def _label_error(kind: str, label: object) -> TypeError | None:
+    if isinstance(label, str):
+        return None
+    return TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
 
 
-def _check_src(call: Call, src: int, world: int) -> None:
+def _src_error(call: Call, src: object, world: int) -> Exception | None:
+    if isinstance(src, bool) or not isinstance(src, int):
+        return TypeError(f"{call.text}: src must be an int rank; got {src!r}")
     if not 0 <= src < world:
-        raise ValueError(
+        return ValueError(
             f"{call.text}: src={src} is not a rank of this run of {world}; use 0..{world - 1}"
         )
+    return None
+
+
+def _raising(error: BaseException) -> Callable[[], Any]:
+    """A stand-in for `fn` that raises a rank's own argument error inside the exchange."""
+    error._rankwise_refusal = True  # type: ignore[attr-defined]  # raised first, in step or not
+
+    def refuse() -> Any:
+        raise error
+
+    return refuse
+
+
+def _as_root(src: object) -> int:
+    """`src` as the header carries it: -1 for one that is no int (refused before)."""
+    fits = isinstance(src, int) and not isinstance(src, bool) and -(2**63) <= src < 2**63
+    return int(src) if fits else -1  # type: ignore[call-overload]
+
+
+def _raise_for_refusals(headers: Headers, error: BaseException | None, src: object) -> None:
+    """Every rank raises when a rank refused its own arguments (a label or src it cannot
+    use): that rank its own error, the others a RuntimeError naming it. src's failure in
+    `fn` is _raise_for_source's."""
+    refused = [
+        (m, e)
+        for m, e in zip(headers.members, headers.entries, strict=True)
+        if e.status == "error" and (m != src or e.root != src)
+    ]
+    if not refused:
+        return
+    if error is not None and rank() in [m for m, _ in refused]:
+        raise _from(rank(), error)
+    first, entry = refused[0]
+    words = f"{headers.texts[headers.members.index(first)]} on rank {first} raised {entry.error}"
+    raise _from(first, RuntimeError(f"{headers.call.text}: {words}"))
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -13,6 +13,11 @@ FORMS = {
     "raises-ok": ("raises(ValueError)", "raise ValueError('no')", True),
     "raises-subclass-ok": ("raises(LookupError)", "raise KeyError('k')", True),
     "raises-bad-type": ("raises(TypeError)", "raise ValueError('no')", False),
+    "raises-same-name-other-class-bad": (  # a class of the test's own named like a builtin
+        "raises(type('TimeoutError', (Exception,), {}))",
+        "raise TimeoutError('the builtin')",
+        False,
+    ),
     "raises-match-ok": (
         "raises(ValueError, match='batch [0-9]+')",
         "raise ValueError('batch 7')",
@@ -124,3 +129,113 @@ def test_the_abort_code_is_the_one_rankwise_uses() -> None:
     from harness.expect import RANKWISE_ABORT_EXIT_CODE
 
     assert RANKWISE_ABORT_EXIT_CODE == ABORT_EXIT_CODE
+
+
+def test_a_fault_that_never_fired_meets_no_expected_exception(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        HEADER
+        + """
+import harness
+
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="raise", exc=OSError("disk full"), at="laod")  # misspelt
+@pytest.mark.expect(rank=1, does=raises(Exception), others=returns())
+def test_any_exception(rank):
+    harness.fault_point("load")
+
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=1, kind="raise", exc=OSError("disk full"), at="load", nth=2)
+@pytest.mark.expect(rank=1, does=raises(BaseException), others=returns())
+def test_any_base_exception(rank):
+    harness.fault_point("load")
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*fault * was never reached on rank 1*"] * 2)
+
+
+def test_an_exception_whose_str_fails_is_still_named(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        HEADER
+        + """
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+@pytest.mark.ranks(2)
+@pytest.mark.expect(rank=1, does=raises(Unprintable), others=returns())
+def test_expected(rank):
+    if rank == 1:
+        raise Unprintable()
+
+@pytest.mark.ranks(2)
+def test_reported(rank):
+    if rank == 1:
+        raise Unprintable()
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*rank 1 failed: raised Unprintable: <str() of Unprintable raised*"]
+    )
+
+
+def test_an_expected_failure_leaves_its_peers_the_whole_timeout(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an ending the test declares (or an xfail), a slower peer may still finish; only
+    an undeclared failure cuts the peers' time to the grace. A rank killed for being slow
+    after a peer failed did not hang: hangs() does not take it."""
+    monkeypatch.setenv("_HARNESS_TEST_FAILURE_GRACE_S", "0.2")
+    inner.makepyfile(
+        HEADER
+        + """
+import time
+
+def outlast_the_grace(shared_tmp_path):
+    deadline = time.monotonic() + 60
+    while not (shared_tmp_path / "failed").exists():  # rank 0 is about to end
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(1.0)  # slow work: five times the grace, well inside the timeout
+
+def fail_first(shared_tmp_path):
+    (shared_tmp_path / "failed").touch()
+
+@pytest.mark.ranks(2, timeout=30)
+@pytest.mark.expect(rank=0, does=raises(ValueError), others=returns())
+def test_declared_raise(rank, shared_tmp_path):
+    if rank == 0:
+        fail_first(shared_tmp_path)
+        raise ValueError("as declared")
+    outlast_the_grace(shared_tmp_path)
+
+@pytest.mark.ranks(2, timeout=30)
+@pytest.mark.expect(rank=0, does=exits(3), others=returns())
+def test_declared_exit(rank, shared_tmp_path):
+    if rank == 0:
+        fail_first(shared_tmp_path)
+        sys.exit(3)
+    outlast_the_grace(shared_tmp_path)
+
+@pytest.mark.ranks(2, timeout=30)
+def test_xfail_on_one_rank(rank, shared_tmp_path):
+    if rank == 0:
+        fail_first(shared_tmp_path)
+        pytest.xfail("known")
+    outlast_the_grace(shared_tmp_path)
+
+@pytest.mark.ranks(2, timeout=30)
+@pytest.mark.expect(rank=1, does=hangs(), others=returns())
+def test_slow_is_not_hung(rank, shared_tmp_path):
+    if rank == 0:
+        fail_first(shared_tmp_path)
+        raise ValueError("undeclared")  # the grace starts: rank 1 is killed, yet never hung
+    outlast_the_grace(shared_tmp_path)
+"""
+    )
+    result = inner.runpytest("-p", "harness", "-rxX")
+    result.assert_outcomes(passed=2, xfailed=1, failed=1)
+    result.stdout.fnmatch_lines(["*1 * | hangs * | hung outside any collective  <-*"])

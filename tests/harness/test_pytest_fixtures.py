@@ -270,3 +270,214 @@ def test_a_fixture_that_cannot_exist_in_a_rank_says_so(inner: pytest.Pytester) -
         ]
     )
     result.stdout.no_fnmatch_line("*During handling of the above exception*")
+
+
+def test_a_fixture_that_uses_a_rank_fixture_is_made_in_each_rank(inner: pytest.Pytester) -> None:
+    inner.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture(scope="session")
+        def settings():
+            return {"width": 4}
+
+        @pytest.fixture
+        def width(settings):
+            return settings["width"]
+        """
+    )
+    inner.makepyfile(
+        """
+        import sys, pytest, torch
+
+        LIMIT = 1
+        SEEN, CLOSED = [], []
+
+        @pytest.fixture(autouse=True)
+        def seen(rank):
+            SEEN.append(rank)
+
+        @pytest.fixture
+        def model(device, settings):
+            return torch.nn.Linear(settings["width"], 2).to(device)
+
+        @pytest.fixture
+        def batch(rank, model):
+            yield torch.full((1, model.in_features), float(rank))
+            CLOSED.append(rank)
+
+        @pytest.fixture
+        def width(width, rank):  # overrides the conftest's, and uses it
+            return width + rank
+
+        @pytest.fixture
+        def limit(monkeypatch):
+            monkeypatch.setattr(sys.modules[__name__], "LIMIT", 5)
+
+        @pytest.fixture(params=[1, 2])
+        def scaled(request, rank):
+            return request.param * 10 + rank
+
+        @pytest.fixture
+        def data_file(tmp_path, rank):
+            path = tmp_path / "data"
+            path.write_text(str(rank))
+            return path
+
+        @pytest.mark.ranks(2)
+        def test_made_per_rank(rank, device, model, batch, width):
+            assert model.weight.device == device and batch[0, 0].item() == rank
+            assert width == 4 + rank
+            assert SEEN == [rank]
+
+        @pytest.mark.ranks(2)
+        def test_teardown_ran_in_the_rank(rank):
+            assert CLOSED == [rank]
+
+        @pytest.mark.ranks(2)
+        def test_patched_in_the_rank(limit):
+            assert LIMIT == 5
+
+        @pytest.mark.ranks(2)
+        def test_patch_undone_in_the_rank():
+            assert LIMIT == 1
+
+        @pytest.mark.ranks(2)
+        def test_parametrized(request, rank, scaled):
+            assert scaled == int(request.node.name.split("[")[1][0]) * 10 + rank
+
+        @pytest.mark.ranks(2)
+        def test_tmp_path_is_the_ranks(tmp_path, data_file, rank):
+            assert data_file.parent == tmp_path and data_file.read_text() == str(rank)
+
+        class TestInAClass:
+            @pytest.fixture
+            def offset(self, rank):
+                return self.base + rank
+
+            def setup_method(self, method):
+                self.base = 100
+
+            @pytest.mark.ranks(2)
+            def test_method_fixture(self, rank, offset):
+                assert offset == 100 + rank
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=8)
+
+
+def test_a_rank_fixture_that_raises_fails_the_rank_that_raised(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def loader(rank):
+            if rank == 1:
+                raise RuntimeError("no shard for rank 1")
+            return rank
+
+        @pytest.mark.ranks(2)
+        def test_loads(loader):
+            pass
+
+        def make_fixture():
+            @pytest.fixture
+            def local(rank):
+                return rank
+            return local
+
+        local = make_fixture()
+
+        @pytest.mark.ranks(2)
+        def test_local(local):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 1 failed: raised RuntimeError: no shard for rank 1*",
+            "*fixture 'local' uses 'rank', so each rank makes it, but a rank cannot find its "
+            "function (make_fixture.<locals>.local): define it at the top level of a module*",
+        ]
+    )
+
+
+def test_xfail_raises_is_matched_against_the_root_cause_as_pytest_matches(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        class ShapeError(ValueError):
+            pass
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=ValueError, strict=True)
+        def test_a_subclass_is_expected(rank):
+            if rank == 1:
+                raise ShapeError("bad shape")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=ValueError, strict=True)
+        def test_another_ranks_later_error_is_not_the_root_cause(rank):
+            if rank == 1:
+                raise TypeError("the root cause")
+            try:
+                dist.barrier()  # fails once rank 1 is gone
+            except Exception:
+                raise ValueError("after rank 1 failed")
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rxX")
+    result.assert_outcomes(xfailed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 failed: raised TypeError: the root cause*"])
+
+
+def test_only_pytests_own_outcomes_skip_or_xfail(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        class Skipped(Exception):
+            pass
+
+        class XFailed(Exception):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_own_skipped(rank):
+            raise Skipped("an application error that happens to be named Skipped")
+
+        @pytest.mark.ranks(2)
+        def test_own_xfailed(rank):
+            if rank == 1:
+                raise XFailed("an application error that happens to be named XFailed")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+
+
+def test_a_unittest_method_marked_for_ranks_is_refused_not_run_here(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import unittest, pytest, torch.distributed as dist
+
+        class TestModel(unittest.TestCase):
+            @pytest.mark.ranks(2)
+            def test_sum(self):
+                self.assertTrue(dist.is_initialized())
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*@pytest.mark.ranks on *test_sum* cannot run a unittest.TestCase method on ranks*"]
+    )

@@ -270,6 +270,27 @@ def test_run_on_ranks_returns_every_ranks_outcome(inner: pytest.Pytester) -> Non
     inner.runpytest("-p", "harness").assert_outcomes(passed=6)
 
 
+def test_a_return_value_that_cannot_travel_is_not_taken_for_none(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import threading, pytest
+
+        def make_lock():
+            return threading.Lock()
+
+        def test_values(run_on_ranks):
+            out = run_on_ranks(make_lock, world_size=2)
+            assert out[0].ok
+            lost = "rank 0 returned <unlocked _thread.lock.*could not be sent back"
+            with pytest.raises(ValueError, match=lost):
+                out[0].value
+            with pytest.raises(ValueError, match="could not be sent back"):
+                out.values
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
 def test_each_tests_ranks_see_that_tests_environment(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

@@ -157,6 +157,37 @@ def test_a_rank_that_returns_while_peers_wait_is_named(inner: pytest.Pytester) -
     )
 
 
+def test_a_ranks_own_network_error_is_its_failure_not_a_peers(inner: pytest.Pytester) -> None:
+    """Text like "Connection refused" reads as a peer gone only from torch.distributed."""
+    inner.makepyfile(
+        """
+        import socket, pytest
+
+        @pytest.mark.ranks(2)
+        def test_connects(rank):
+            if rank == 0:
+                with socket.socket() as s:  # a port nobody listens on
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                socket.create_connection(("127.0.0.1", port), timeout=5)
+
+        @pytest.mark.ranks(2)
+        def test_pipe(rank):
+            if rank == 1:
+                raise BrokenPipeError("Broken pipe: the service's own pipe closed")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 0 failed: raised ConnectionRefusedError: *",
+            "rank 1 failed: raised BrokenPipeError: Broken pipe: the service's own pipe closed*",
+        ],
+        consecutive=False,
+    )
+
+
 def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
     inner: pytest.Pytester,
 ) -> None:

@@ -7,6 +7,7 @@ a rank still waiting would come back HUNG, so each also proves nobody was left w
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from typing import Any
 
@@ -391,3 +392,54 @@ def test_plain_values_travel_as_json_and_keep_their_types() -> None:
         assert _wire.encode(value, "test")[:1] != b"J", value  # keeps its type via torch
         decoded = _wire.decode(_wire.encode(value, "test"))
         assert type(decoded) is type(value)
+
+
+@pytest.mark.timeout(20)  # the bug was an endless loop: bounded here
+@pytest.mark.parametrize("label", ["\U0001f600" * 400, "\x01" * 400, "b" * 5000])
+def test_a_failure_report_fits_its_header_whatever_the_label(label: str) -> None:
+    from rankwise._collectives import HEADER_BYTES, _words
+
+    words = _words(f"all_reduce({label!r})", "ValueError: " + "\U0001f600" * 3000)
+    assert len(words) <= HEADER_BYTES
+    said = json.loads(words)
+    assert said["call"].startswith("all_reduce(") and said["error"].startswith("ValueError: ")
+
+
+def _one_rank_passes_a_bad_argument(which: str) -> Any:
+    """Rank 1 alone passes what its call refuses; the others are right."""
+    bad = dist.get_rank() == 1
+    if which == "src":
+        return rw.broadcast_from("cfg", lambda: 42, src=5 if bad else 0)
+    if which == "src_type":
+        return rw.broadcast_from("cfg", lambda: 42, src="0" if bad else 0)  # type: ignore[arg-type]
+    if which == "bcast_label":
+        return rw.broadcast_from(None if bad else "cfg", lambda: 42)  # type: ignore[arg-type]
+    return rw.all_reduce(None if bad else "x", lambda: 1, sum)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("which", ["src", "src_type", "bcast_label", "reduce_label"])
+def test_a_bad_argument_on_one_rank_makes_every_rank_raise(run_on_ranks: Any, which: str) -> None:
+    out = run_on_ranks(_one_rank_passes_a_bad_argument, which, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()  # nobody waits for the bad rank
+    assert out[1].exc_name in ("ValueError", "TypeError") and out[1].origin_rank == 1
+    for o in (out[0], out[2]):
+        assert o.exc_name == "RuntimeError" and o.origin_rank == 1, o.message
+        assert "on rank 1 raised" in o.message or "out of step" in o.message
+
+
+def _a_collective_inside_fn_on_rank_0_only() -> Any:
+    def fn() -> int:
+        if dist.get_rank() == 0:
+            rw.broadcast_from("inner", lambda: 1)
+        return 1
+
+    return rw.all_reduce("outer", fn, sum)
+
+
+def test_a_collective_only_some_ranks_run_inside_fn_raises_on_every_rank(
+    run_on_ranks: Any,
+) -> None:
+    out = run_on_ranks(_a_collective_inside_fn_on_rank_0_only, world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, E], out.report()  # rank 0 joined no second exchange alone
+    for o in out:
+        assert "ranks out of step" in o.message and "broadcast_from('inner')" in o.message

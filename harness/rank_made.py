@@ -1,0 +1,159 @@
+"""A rank test's fixtures that each rank makes itself, chosen and described in the pytest process.
+
+A fixture that uses one only a rank has (its `rank`, `device`, `tmp_path`, `monkeypatch`,
+`capsys`, ...), directly or through another fixture, means something else in each rank: run
+in the pytest process it would see placeholders (and `if rank == 1:` would quietly be false)
+and patch the wrong process. The pytest process therefore skips it and sends a recipe (where
+its function is, what it is called with); the rank calls it before the test and tears it
+down after. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe
+
+# Fixtures that are per rank themselves: one that uses any of them is made in each rank.
+PER_RANK = frozenset(RANK_SIDE_FIXTURES) - {"request"}
+
+_made_key = pytest.StashKey[frozenset[int]]()  # ids of the FixtureDefs the ranks make
+
+# (name, depth): a fixture's definition; depth 1 is the one an override of it requests.
+_Def = tuple[str, int]
+
+
+class MadeInRanks:
+    """What a fixture each rank makes is in the pytest process: a placeholder."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: made in each rank>"
+
+
+def remember(item: pytest.Item) -> None:
+    """Note which of `item`'s fixtures the ranks make, for skip_in_pytest to find."""
+    made = _made_in_ranks(item) if isinstance(item, pytest.Function) else {}
+    if made:
+        item.stash[_made_key] = frozenset(id(fixturedef) for fixturedef, _ in made.values())
+
+
+def skip_in_pytest(fixturedef: Any, request: Any) -> MadeInRanks | None:
+    """A placeholder, cached as pytest caches a value, for a fixture the ranks make; None
+    for any other (pytest then runs it as usual)."""
+    item = getattr(request, "_pyfuncitem", None)
+    made = item.stash.get(_made_key, None) if item is not None else None
+    if made is None or id(fixturedef) not in made:
+        return None
+    value = MadeInRanks(fixturedef.argname)
+    fixturedef.cached_result = (value, fixturedef.cache_key(request), None)
+    return value
+
+
+def plan(item: pytest.Function, sent_value: Callable[[str, int], Any]) -> FixturePlan | None:
+    """The recipes of the fixtures `item`'s ranks make, in the order pytest would make them
+    (each after those it uses), and the values they use beyond the test's own arguments.
+    `sent_value(name, depth)` is what the pytest process sends for a fixture it made."""
+    made = _made_in_ranks(item)
+    if not made:
+        return None
+    recipes: dict[str, FixtureRecipe] = {}
+    values: dict[str, Any] = {}
+
+    def visit(name: str, depth: int) -> str:
+        key = _key(name, depth)
+        if key in recipes or key in values:
+            return key
+        if key not in made:
+            if name not in item._fixtureinfo.argnames or depth:
+                values[key] = sent_value(name, depth)
+            return key
+        fixturedef, uses = made[key]
+        args = tuple(
+            (arg, visit(arg, depth + 1 if arg == name else 0)) for arg in fixturedef.argnames
+        )
+        recipes[key] = _recipe(item, key, fixturedef, uses, args)
+        return key
+
+    for name in item.fixturenames:  # pytest's order: autouse ones first
+        if name in made:
+            visit(name, 0)
+    return FixturePlan(tuple(recipes.values()), values)
+
+
+def _key(name: str, depth: int) -> str:
+    return name if depth == 0 else f"{name}#{depth}"
+
+
+def _recipe(
+    item: pytest.Function,
+    key: str,
+    fixturedef: Any,
+    uses: str,
+    args: tuple[tuple[str, str], ...],
+) -> FixtureRecipe:
+    func = fixturedef.func
+    module = getattr(func, "__module__", None)
+    qualname = getattr(func, "__qualname__", "")
+    name = fixturedef.argname
+    if not module or not qualname or "<" in qualname:
+        pytest.fail(
+            f"fixture {name!r} uses {uses!r}, so each rank makes it, but a rank cannot find its "
+            f"function ({qualname or repr(func)}): define it at the top level of a module (or a "
+            f"conftest), or in the test's class",
+            pytrace=False,
+        )
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None and key == name else {}
+    return FixtureRecipe(key, module, qualname, args, name in params, params.get(name))
+
+
+_cache: dict[int, tuple[object, dict[str, tuple[Any, str]]]] = {}
+
+
+def _made_in_ranks(item: pytest.Function) -> dict[str, tuple[Any, str]]:
+    """The fixture definitions the ranks make for `item`, by key, each with the per-rank
+    fixture it uses (for messages). Parametrized copies of a test share the answer."""
+    info = item._fixtureinfo
+    cached = _cache.get(id(info))
+    if cached is not None and cached[0] is info:
+        return cached[1]
+    defs = info.name2fixturedefs
+    found: dict[str, tuple[Any, str]] = {}
+    seen: dict[_Def, str | None] = {}
+
+    def uses(name: str, depth: int) -> str | None:
+        """The per-rank fixture this definition uses, if any (itself, for one of them)."""
+        if (name, depth) in seen:
+            return seen[(name, depth)]
+        seen[(name, depth)] = None  # pytest refuses cycles; this only stops a walk over one
+        chain = defs.get(name, ())
+        if name in PER_RANK or depth >= len(chain):
+            answer = name if name in PER_RANK else None
+        else:
+            fixturedef = chain[-1 - depth]
+            answer = next(
+                (u for arg in fixturedef.argnames if (u := uses(arg, _depth(arg, name, depth)))),
+                None,
+            )
+            if answer is not None:
+                found[_key(name, depth)] = (fixturedef, answer)
+        seen[(name, depth)] = answer
+        return answer
+
+    for name in info.names_closure:
+        uses(name, 0)
+    if len(_cache) > 10_000:  # a session of many test functions: start over
+        _cache.clear()
+    _cache[id(info)] = (info, found)
+    return found
+
+
+def _depth(arg: str, name: str, depth: int) -> int:
+    """The depth of the definition `arg` names, from a definition of `name` at `depth`."""
+    return depth + 1 if arg == name else 0
