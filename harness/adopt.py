@@ -262,6 +262,11 @@ def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
 
     @functools.wraps(original)
     def adopted(self: Any) -> None:
+        if getattr(type(self), "_harness_world_size", None) is None:
+            # The class spawned nothing (torch's local-tensor bases run each test in this
+            # process): run the test here, as torch does.
+            original() if inspect.ismethod(original) else original(self)
+            return
         _run_continuous_case(item, self)
 
     item.obj = types.MethodType(adopted, case)  # type: ignore[attr-defined]
@@ -269,9 +274,7 @@ def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
 
 def _run_continuous_case(item: pytest.Item, case: Any) -> None:
     cls = type(case)
-    world_size = getattr(cls, "_harness_world_size", None)
-    if world_size is None:  # nothing was spawned for the class: the base's wait has nothing
-        return
+    world_size = cls._harness_world_size
     with _rendezvous_file() as rdvz:
         args = (runner.function_target(cls), case.id(), rdvz, world_size)
         _run_and_judge(item, adopted_spec(item, world_size), adopt_rank.run_continuous_case, args)
@@ -315,6 +318,7 @@ def _run_and_judge(
         target = runner.function_target(entry)
         outcomes = runner.run(item.config, spec, target, encode_args(args, {"rank": None}))
     rank_warnings.reemit(outcomes)
+    runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     judge(item, spec, outcomes)
 
 

@@ -33,6 +33,8 @@ class Baseline:
     handlers: dict[signal.Signals, Any]  # each catchable signal's handler, as _signal reports it
     dtype: torch.dtype
     threads: int
+    grad: bool  # torch.is_grad_enabled()
+    deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
 
 
 def open_streams() -> tuple[Any, Any]:
@@ -55,6 +57,15 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         handlers={sig: h for sig, h in handlers.items() if h is not None},
         dtype=torch.get_default_dtype(),
         threads=torch.get_num_threads(),
+        grad=torch.is_grad_enabled(),
+        deterministic=_deterministic(),
+    )
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
     )
 
 
@@ -70,6 +81,11 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
         torch.set_default_dtype(base.dtype)
     if torch.get_num_threads() != base.threads:
         torch.set_num_threads(base.threads)
+    if torch.is_grad_enabled() != base.grad:
+        torch.set_grad_enabled(base.grad)
+    if _deterministic() != base.deterministic:
+        mode, warn_only = base.deterministic
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
 

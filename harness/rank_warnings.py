@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -114,3 +115,51 @@ def _category(name: str) -> type[Warning]:
         if isinstance(found, type) and issubclass(found, Warning):
             return found
     return UserWarning
+
+
+class StrayExceptions:
+    """Exceptions raised where no caller sees them, during a test in a rank: in a thread of
+    it, or unraisable (in __del__, a weakref callback). pytest turns these into warnings in
+    a plain test; warn() does the same in the rank, so filters (-W error) apply there."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[type[Warning], str]] = []
+
+    def thread(self, args: Any) -> None:
+        name = args.thread.name if args.thread is not None else "<unknown>"
+        self._add("PytestUnhandledThreadExceptionWarning", f"Exception in thread {name}", args)
+
+    def unraisable(self, args: Any) -> None:
+        said = f"{args.err_msg or 'Exception ignored in'}: {_safe_repr(args.object)}"
+        self._add("PytestUnraisableExceptionWarning", said, args)
+
+    def _add(self, category: str, said: str, args: Any) -> None:
+        import traceback
+
+        lines = traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+        self.texts.append((getattr(pytest, category), f"{said}\n\n{''.join(lines)}"))
+
+    def warn(self) -> None:
+        """Warn for each, in order (an error filter raises the first)."""
+        found, self.texts = self.texts, []
+        for category, text in found:
+            warnings.warn(category(text), stacklevel=1)
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+@contextlib.contextmanager
+def stray_exceptions() -> Iterator[StrayExceptions]:
+    """In a rank, around a test: collect its stray exceptions instead of printing them."""
+    stray = StrayExceptions()
+    old_thread, old_unraisable = threading.excepthook, sys.unraisablehook
+    threading.excepthook, sys.unraisablehook = stray.thread, stray.unraisable
+    try:
+        yield stray
+    finally:
+        threading.excepthook, sys.unraisablehook = old_thread, old_unraisable

@@ -19,12 +19,10 @@ from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
 # Long-lived helpers a process keeps for itself: not a test's leftovers, and killing them
-# would break the worker's later use of them (they exit with it).
-HELPERS = (
-    "multiprocessing.resource_tracker",
-    "multiprocessing.forkserver",
-    "torch._inductor.compile_worker",
-)
+# would break the worker's later use of them (they exit with it). A helper is a direct child
+# with one of these in its command line; torch's compile workers run a pool of their own.
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+HELPER_TREES = ("torch._inductor.compile_worker",)
 KILL_WAIT_S = 5.0
 _ON_LINUX = sys.platform.startswith("linux")
 _WALL = 0x40000000  # Linux's __WALL: children started with clone() too, whatever their signal
@@ -86,17 +84,38 @@ def _children_from_proc(pid: int) -> list[int]:
 
 
 def command_line(pid: int) -> str:
+    """The command line of `pid`; its name in brackets while it has none to show (it is
+    exec'ing, or exiting)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            line = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        if line:
+            return line
+        with open(f"/proc/{pid}/comm") as f:
+            return f"[{f.read().strip()}]"
     except OSError:
         return ""
 
 
 def leftovers(root: int) -> dict[int, str]:
     """The processes a test left below `root`, by pid, with their command lines."""
-    found = {pid: command_line(pid) for pid in descendants(root)}
-    return {pid: line for pid, line in found.items() if not any(h in line for h in HELPERS)}
+    below = descendants(root)
+    if not below:
+        return {}
+    direct, own = set(_children_reader()(root)), command_line(root)
+    found = {pid: command_line(pid) for pid in below}
+    return {pid: line for pid, line in found.items() if not _helper(line, own, pid in direct)}
+
+
+def _helper(line: str, own: str, direct: bool) -> bool:
+    """Whether a process is one of `root`'s helpers. A copy of `root` made by os.fork keeps
+    its command line (a forkserver's, for a rank), and so do the processes a forkserver the
+    test started serves: neither is a helper."""
+    if line == own:
+        return False
+    if any(h in line for h in HELPER_TREES):
+        return True
+    return direct and any(h in line for h in HELPERS)
 
 
 def kill(pids: list[int]) -> None:

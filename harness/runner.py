@@ -10,6 +10,7 @@ import contextlib
 import os
 import pickle
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -57,9 +58,25 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     spec = with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
     rank_warnings.reemit(outcomes)
+    _warn_of_returned_values(item, outcomes)
     record_leftovers(item, outcomes)
     attach_output(item, outcomes)
     judge(item, spec, outcomes)
+
+
+def _warn_of_returned_values(item: pytest.Function, outcomes: list[RankOutcome]) -> None:
+    """pytest's warning for a test function that returns a value, from its ranks."""
+    returned = [o for o in outcomes if o.ending is Ending.RETURNED and o.value_repr]
+    if returned:
+        ranks = ranks_phrase([o.rank for o in returned])
+        warnings.warn(
+            pytest.PytestReturnNotNoneWarning(
+                f"test functions should return None, but {item.nodeid} returned "
+                f"{returned[0].value_repr} on {ranks}; use assert (or run_on_ranks to get "
+                f"values back)"
+            ),
+            stacklevel=1,
+        )
 
 
 def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:
@@ -278,12 +295,22 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
 
 
 def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+    """What the ranks left behind, for raise_leftovers to raise at teardown."""
+    text = leftovers_text(outcomes, allow_hint=True)
+    if text is not None:
+        item.stash[_leftovers_key] = text
+
+
+def leftovers_text(outcomes: list[RankOutcome], allow_hint: bool = False) -> str | None:
+    """'hygiene: rank 1 left ...', a line per finding; None when the ranks left nothing."""
     lines = [f"rank {o.rank} {finding}" for o in outcomes for finding in o.leftovers.values()]
-    if lines:
-        kinds = sorted({k for o in outcomes for k in o.leftovers if k in CHECKS})
-        listed = ", ".join(f"'{kind}'" for kind in kinds)
-        hints = [f"(a test that means it: @pytest.mark.allow_leftovers({listed}))"] if kinds else []
-        item.stash[_leftovers_key] = "\n".join(["hygiene: " + lines[0], *lines[1:], *hints])
+    if not lines:
+        return None
+    kinds = sorted({k for o in outcomes for k in o.leftovers if k in CHECKS})
+    listed = ", ".join(f"'{kind}'" for kind in kinds)
+    hint = allow_hint and kinds
+    hints = [f"(a test that means it: @pytest.mark.allow_leftovers({listed}))"] if hint else []
+    return "\n".join(["hygiene: " + lines[0], *lines[1:], *hints])
 
 
 def raise_leftovers(item: pytest.Item) -> None:

@@ -162,6 +162,7 @@ def raise_for(outcomes: list[RankOutcome]) -> None:
     """Raise torch's exception type for the root-cause rank, with the whole report after it."""
     report = failure_text(outcomes)
     if report is None:
+        _raise_for_leftovers(outcomes)
         return
     if all(o.ending is Ending.SKIPPED for o in outcomes):
         raise pytest.skip.Exception(outcomes[0].message)
@@ -169,6 +170,20 @@ def raise_for(outcomes: list[RankOutcome]) -> None:
     root = diagnose(outcomes, failed).root
     culprit = next(o for o in outcomes if o.rank == (failed[0] if root is None else root))
     raise _exception_for(culprit, report, outcomes)
+
+
+def _raise_for_leftovers(outcomes: list[RankOutcome]) -> None:
+    """A process that left a thread running would never have ended under torch's spawn (its
+    join waits): the leftovers fail the call, naming the rank."""
+    from harness.runner import leftovers_text
+    from harness.spawn_errors import RankRaised
+
+    text = leftovers_text(outcomes)
+    if text is not None:
+        culprit = next(o for o in outcomes if o.leftovers)
+        error = RankRaised(text, culprit.rank, culprit.pid)
+        error.report, error.outcomes = text, outcomes
+        raise error
 
 
 def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome]) -> Exception:
@@ -245,7 +260,7 @@ class RankPool:
         target = runner.function_target(adopt_rank.run_pooled)
         outcomes = runner.run(self._config, self._spec, target, blob)
         rank_warnings.reemit(outcomes)
-        report = failure_text(outcomes)
+        report = failure_text(outcomes) or runner.leftovers_text(outcomes)
         if report is not None:
             raise RankPoolError(report, outcomes)
         return [o.value for o in outcomes]

@@ -237,8 +237,11 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         before = hygiene.snapshot()
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)
-            with Injector(task.rank, call.faults).installed() as injector:
-                outcome = _run_target(task, call, injector)
+            with (
+                Injector(task.rank, call.faults).installed() as injector,
+                rank_warnings.stray_exceptions() as stray,
+            ):
+                outcome = _run_target(task, call, injector, stray)
         outcome.warnings = rank_warnings.collected(log)
         group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
         left = reaper.leftovers(os.getpid())
@@ -488,7 +491,9 @@ def _prepare_call(task: RunTask) -> _Call:
     return _Call(fn, run.args, run.kwargs, task.load_faults(), run.fixtures)
 
 
-def _run_target(task: RunTask, call: _Call, injector: Injector) -> RankOutcome:
+def _run_target(
+    task: RunTask, call: _Call, injector: Injector, stray: rank_warnings.StrayExceptions
+) -> RankOutcome:
     fn, args, kwargs, plan = call.fn, call.args, call.kwargs, call.fixtures
     made = kwargs if plan is None else {**plan.values, **kwargs}  # every fixture's value
     info = made.get("request")
@@ -503,6 +508,7 @@ def _run_target(task: RunTask, call: _Call, injector: Injector) -> RankOutcome:
         value = fn(*args, **kwargs)
         endings.refuse_awaitable(value)
         fixtures.close()  # finalizers and undoing, in the rank: an error there fails it
+        stray.warn()  # exceptions in its threads or __del__, as pytest warns of them
     except BaseException as exc:
         outcome = endings.ended_by(
             task.key, task.rank, exc

@@ -441,3 +441,67 @@ def test_a_bad_adopt_value_names_its_source(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest("-p", "harness", "--rank-adopt", "unittest")
     result.stderr.fnmatch_lines(["*invalid rank_adopt 'unittest' from --rank-adopt*use torch*"])
+
+
+def test_a_continuous_class_that_spawns_nothing_still_runs_its_tests(
+    inner: pytest.Pytester,
+) -> None:
+    """torch's local-tensor bases run each test in the pytest process and spawn nothing: the
+    test runs there, as under torch (it passed without running)."""
+    inner.makepyfile(
+        test_local="""
+from torch.testing._internal.distributed._tensor.common_dtensor import (
+    LocalDTensorContinuousTestBase,
+)
+
+
+class TestLocal(LocalDTensorContinuousTestBase):
+    world_size = 2
+
+    def test_fails(self):
+        self.assertEqual(1, 2, "this test must fail")
+
+    def test_passes(self):
+        self.assertEqual(1, 1)
+"""
+    )
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=1, failed=1)
+
+
+LEFTOVERS = (
+    PROCESS_BASE
+    + """
+import threading, harness
+
+STOP = threading.Event()
+
+
+def start_a_thread(*_):
+    threading.Thread(target=STOP.wait, args=(30,), name="beat").start()
+
+
+class TestLeaves(TwoRanks):
+    def test_a_leaves_a_thread(self):
+        start_a_thread()
+
+
+def test_spawn(tmp_path):
+    with pytest.raises(Exception, match="left non-daemon threads running: beat"):
+        harness.spawn(start_a_thread, nprocs=2)
+
+
+def test_pool(rank_pool):
+    with pytest.raises(harness.RankPoolError, match="left non-daemon threads running: beat"):
+        rank_pool.run(start_a_thread)
+"""
+)
+
+
+def test_what_adopted_spawned_and_pooled_runs_leave_behind_is_reported(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(test_leaves="import pytest\n" + LEFTOVERS)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*hygiene: rank * left non-daemon threads running: beat*"])

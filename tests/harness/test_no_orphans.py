@@ -75,6 +75,42 @@ def test_next_is_clean(rank):
     assert not [p for p in pids if alive(p)]  # killed at each test's end, allowed or not
 
 
+def test_forked_copies_of_a_rank_are_leftovers_too(inner: pytest.Pytester) -> None:
+    """A child made by os.fork (no exec) or by a forkserver the test started carries a
+    helper's command line (the rank's own, or the forkserver's): it is still a leftover."""
+    inner.makepyfile(
+        """
+        import multiprocessing, os, threading, pytest
+
+        def sleep_long():
+            threading.Event().wait(600)
+
+        @pytest.mark.ranks(2)
+        def test_forks(rank):
+            if rank == 1:
+                pid = os.fork()
+                if pid == 0:
+                    sleep_long()
+                    os._exit(0)
+                open("forked", "w").write(str(pid))
+
+        @pytest.mark.ranks(2)
+        def test_forkserver_child(rank):
+            if rank == 1:
+                child = multiprocessing.get_context("forkserver").Process(target=sleep_long)
+                child.start()
+                open("served", "w").write(str(child.pid))
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(
+        ["*hygiene: rank 1 left processes running (the harness killed them): pid *"] * 2
+    )
+    for name in ("forked", "served"):
+        assert not alive(int((inner.path / name).read_text()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "normal end"])
 def test_no_descendant_outlives_pytest(pytester: pytest.Pytester, how: str) -> None:

@@ -5,6 +5,8 @@ Each test here failed before its fix (issue 13 lists the cases).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 # ---- false greens ---------------------------------------------------------------------------
@@ -307,6 +309,11 @@ BREAKS_THEN_CHECKS = {
         "assert torch.ones(1).dtype == torch.float32",
     ),
     "threads": ("torch.set_num_threads(7)", "assert torch.get_num_threads() == START_THREADS"),
+    "grad-mode": ("torch.set_grad_enabled(False)", "assert torch.is_grad_enabled()"),
+    "deterministic": (
+        "torch.use_deterministic_algorithms(True, warn_only=True)",
+        "assert not torch.are_deterministic_algorithms_enabled()",
+    ),
 }
 
 
@@ -517,3 +524,52 @@ def test_the_cuda_device_is_restored_for_the_next_test(inner: pytest.Pytester) -
         """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+PYTESTS_OWN_WARNINGS = """
+import gc, threading, pytest
+
+class Noisy:
+    def __del__(self):
+        raise ValueError("in __del__")
+
+@pytest.mark.ranks(2)
+def test_thread_raises(rank):
+    if rank == 1:
+        worker = threading.Thread(target=lambda: 1 / 0, name="loader")
+        worker.start()
+        worker.join()
+
+@pytest.mark.ranks(2)
+def test_unraisable(rank):
+    if rank == 1:
+        Noisy()
+        gc.collect()
+
+@pytest.mark.ranks(2)
+def test_returns_a_value(rank):
+    return rank
+"""
+
+
+def test_pytests_own_warnings_come_from_ranks_too(inner: pytest.Pytester) -> None:
+    """An exception in a rank's thread, an unraisable one and a test returning a value warn
+    as in a plain test: in the summary, and as failures under -W error."""
+    inner.makepyfile(PYTESTS_OWN_WARNINGS)
+    with warnings.catch_warnings():  # the inner run in this process: without our "error"
+        warnings.resetwarnings()
+        result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*PytestUnhandledThreadExceptionWarning: [[]rank 1[]] *loader*",
+            "*PytestUnraisableExceptionWarning: [[]rank 1[]] *Noisy.__del__*",
+            "*PytestReturnNotNoneWarning: *test_returns_a_value*returned*",
+        ],
+        consecutive=False,
+    )
+    strict = inner.runpytest("-p", "harness", "-W", "error::pytest.PytestWarning")
+    strict.assert_outcomes(failed=3)
+    strict.stdout.fnmatch_lines(
+        ["*rank 1 failed: raised PytestUnhandledThreadExceptionWarning*"], consecutive=False
+    )
