@@ -13,14 +13,16 @@ fresh group up. Runs inside ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from harness import group_release
 from harness.kept_check import UNKNOWN_OPS, Channel, Verdict
+from harness.outcome import Messages
 
 # How long rank 0 waits for its peers at the check before the group counts as out of step.
 CHECK_S = 5.0
@@ -35,6 +37,12 @@ class _Group:
     ops: int  # the group's operation count on this rank at the last check
     timeout: Any  # its timeout when made: a test that changed it leaves no group behind
     kept_after: str = ""  # the run after which it was kept
+    # Point-to-point messages on it since it was made, by peer: sent to, received from. A
+    # send nobody received leaves the operation counts equal when each rank has one, but
+    # the next test's receive would get it: the pytest side compares these across ranks.
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    any_source: bool = False  # a receive from any rank: who sent what cannot be told
 
 
 _current: _Group | None = None
@@ -46,6 +54,47 @@ def made(group_id: str, channel: Channel | None) -> None:
     global _current
     forget()
     _current = _Group(group_id, _default(), _groups(), channel, _ops(), _timeout())
+
+
+def point_to_point() -> Messages | None:
+    """(sent, received) messages by peer on the kept group since it was made; None when a
+    receive from any source makes them unknowable."""
+    if _current is None or _current.any_source:
+        return None
+    return tuple(sorted(_current.sent.items())), tuple(sorted(_current.received.items()))
+
+
+def watch_point_to_point() -> None:
+    """Count the default group's sends and receives (ProcessGroup.send/recv, which torch's
+    send, isend, recv, irecv and batch_isend_irecv call). Once per rank process."""
+    cls: Any = torch._C._distributed_c10d.ProcessGroup
+    counters = {"send": _count_sent, "recv": _count_received, "recv_anysource": _count_any}
+    for name, count in counters.items():
+        original = getattr(cls, name, None)
+        if original is not None and not getattr(original, "_harness_counts", False):
+            setattr(cls, name, _counting(original, count))
+
+
+def _counting(original: Any, count: Any) -> Any:
+    def counted(group: Any, *args: Any, **kwargs: Any) -> Any:
+        if _current is not None and group is _current.pg:
+            count(_current, *args, **kwargs)
+        return original(group, *args, **kwargs)
+
+    counted._harness_counts = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _count_sent(group: _Group, tensors: Any, peer: int = -1, *_: Any, **__: Any) -> None:
+    group.sent[peer] = group.sent.get(peer, 0) + 1
+
+
+def _count_received(group: _Group, tensors: Any, peer: int = -1, *_: Any, **__: Any) -> None:
+    group.received[peer] = group.received.get(peer, 0) + 1
+
+
+def _count_any(group: _Group, *_: Any, **__: Any) -> None:
+    group.any_source = True
 
 
 def reusable(group_id: str | None) -> bool:

@@ -54,6 +54,10 @@ class RankWarning:
     lineno: int
 
 
+# Point-to-point messages by peer: ((peer, count), ...) sent, then received.
+Messages = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
+
+
 @dataclass
 class RankOutcome:
     """One rank's end of one run: what it did, when, and what it printed."""
@@ -83,6 +87,9 @@ class RankOutcome:
     origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
     kept_group: str | None = None  # the group this rank kept for the next test, if any
+    # On that group since it was made: (sent, received) point-to-point messages by peer,
+    # as ((peer, count), ...); None when a receive from any source hides who sent what.
+    point_to_point: Messages | None = ((), ())
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 
@@ -129,10 +136,16 @@ class RankOutcome:
         return found[-1] if found else ""  # the innermost: tracebacks list it last
 
     @property
+    def before_exchange(self) -> bool:
+        """A hung rank inside a labelled collective but not waiting in torch.distributed:
+        still in its own `fn` (or in a fault injected at the label), so its peers wait on it."""
+        return bool(self.where) and bool(self.stack) and not _C10D_FRAME.search(self.stack)
+
+    @property
     def looks_collateral(self) -> bool:
         """Whether this failure reads as caused by a peer going away (or not arriving)."""
         if self.ending is Ending.HUNG:
-            return self.after_failure or bool(self.in_collective)
+            return self.after_failure or (bool(self.in_collective) and not self.before_exchange)
         if self.origin_rank is not None:  # rankwise (or an assertion helper) said whose it is
             return self.origin_rank != self.rank
         if self.ending is not Ending.RAISED:
@@ -166,6 +179,8 @@ class RankOutcome:
         if self.ending is Ending.SIGNALLED:
             return f"died of {signal_name(self.signal)}"
         where = self.in_collective
+        if where and self.before_exchange:
+            return f"hung in {where}, before its exchange"
         return f"hung in {where}" if where else "hung outside any collective"
 
 

@@ -87,9 +87,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except SpecError as exc:
             item.stash[_spec_error_key] = str(exc)
             continue
-        if item.get_closest_marker("timeout") is not None or session_settings.pytest_timeout_s:
-            # One timer only: ours, which kills the ranks and reports their stacks.
-            item.add_marker(pytest.mark.timeout(0), append=False)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -123,6 +120,16 @@ def pytest_fixture_setup(fixturedef: Any, request: Any) -> object | None:
 
 
 # ---- running -------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-timeout's own wrapper
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """One timer for the body: the harness's, which kills the ranks and reports their stacks;
+    pytest-timeout's still bounds the set-up and teardown around it."""
+    if _spec_key not in item.stash:
+        return (yield)
+    with runner.pytest_timeout_paused(item):
+        return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)

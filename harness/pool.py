@@ -530,7 +530,8 @@ class Pools:
         finally:
             del launch_store  # torchrun's agent store lives for the run only
         kept_ids = {o.kept_group for o in outcomes}
-        if len(kept_ids) == 1 and None not in kept_ids and not pool.broken:
+        in_step = _messages_all_received(outcomes)
+        if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
             self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
         return outcomes
 
@@ -566,3 +567,17 @@ def _alive(pid: int) -> bool:
         except OSError:
             return False
         return not sys.platform.startswith("linux")
+
+
+def _messages_all_received(outcomes: list[RankOutcome]) -> bool:
+    """Whether every point-to-point message sent on the kept group was received: what rank
+    i sent to j, j received from i (a message left in flight would meet the next test)."""
+    sent: dict[tuple[int, int], int] = {}
+    received: dict[tuple[int, int], int] = {}
+    for o in outcomes:
+        if o.point_to_point is None:
+            return False
+        mine_sent, mine_received = o.point_to_point
+        sent.update({(o.rank, peer): n for peer, n in mine_sent})
+        received.update({(peer, o.rank): n for peer, n in mine_received})
+    return sent == received

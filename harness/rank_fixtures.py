@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.capture import CaptureFixture
 
 from harness import endings
 from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe, RequestInfo
@@ -162,8 +163,8 @@ class RankFixtures:
     def _capture(self, kind: str) -> Any:
         from _pytest import capture
 
-        request: Any = self._request  # only its config is read, by disabled()
-        fixture = capture.CaptureFixture(getattr(capture, kind), request, _ispytest=True)
+        request: Any = self._request  # kept, not read: disabled() is the rank's own
+        fixture = _RankCapture(getattr(capture, kind), request, _ispytest=True)
         fixture._start()
         self._stack.callback(fixture.close)
         return fixture
@@ -185,6 +186,19 @@ class RankFixtures:
         path = Path(str(base)) / f"rank{self._rank}"
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+class _RankCapture(CaptureFixture):  # type: ignore[type-arg]
+    """pytest's capsys/capfd in a rank, where there is no capture manager to step around."""
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Output goes to the rank's own streams: the report's rank sections, live with -s."""
+        self._suspend()
+        try:
+            yield
+        finally:
+            self._resume()
 
 
 class _StashHolder:

@@ -87,6 +87,7 @@ def main(conn: Any, files: RankFiles) -> None:
     _watch_stacks(files.stacks)
     where = _WhereBoard(str(files.where))
     where.install()
+    kept_group.watch_point_to_point()
     global _baseline
     _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
     gc.freeze()  # what the rank starts with (torch) is never garbage: no collection walks it
@@ -249,6 +250,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
         if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
             kept = outcome.kept_group = kept_group.keep(task.key)
+            outcome.point_to_point = kept_group.point_to_point()
         return outcome, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")

@@ -135,6 +135,11 @@ def _gather(
 ) -> list[bytearray] | None:
     solo = single_process(call.text, group)
     members = _members(group)
+    if not solo and rank() not in members:  # alone: the members do not wait for it
+        raise ValueError(
+            f"{call.text}: rank {rank()} is not a member of the group ({members}); call it "
+            f"on the group's members only"
+        )
     try:
         _check_dst(call.text, dst, members)
     except ValueError as exc:

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,33 @@ class DistributedState:
     def is_main(self) -> bool:
         """Whether this is rank 0, the rank that writes the run's outputs."""
         return self.rank == 0
+
+
+class _LiveState(DistributedState):
+    """The state distributed_run yields: its rank and size are read from the live group each
+    time, so they follow a group the body sets up (or destroys)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "rank":
+            return rank()
+        if name == "world_size":
+            return size()
+        return super().__getattribute__(name)
+
+    def _fields(self) -> tuple[int, int, torch.device]:
+        return self.rank, self.world_size, self.device
+
+    def __eq__(self, other: object) -> bool:  # equal to a DistributedState of the same values
+        if not isinstance(other, DistributedState):
+            return NotImplemented
+        return self._fields() == (other.rank, other.world_size, other.device)
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        rank_now, size_now, device = self._fields()
+        return f"DistributedState(rank={rank_now}, world_size={size_now}, device={device!r})"
 
 
 @contextlib.contextmanager
@@ -78,7 +105,7 @@ def distributed_run(
             RuntimeWarning,
             stacklevel=3,
         )
-    state = DistributedState(rank=rank(), world_size=size(), device=state_device)
+    state = _LiveState(rank=rank(), world_size=size(), device=state_device)
     try:
         _points.passed("distributed_run", "enter")  # a fault injected here acts as the body's
         yield state

@@ -505,3 +505,21 @@ def test_what_adopted_spawned_and_pooled_runs_leave_behind_is_reported(
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*hygiene: rank * left non-daemon threads running: beat*"])
+
+
+def test_a_class_with_no_ranks_is_skipped_saying_why(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_none=PROCESS_BASE
+        + """
+class TestNoGpus(TwoRanks):
+    @property
+    def world_size(self):
+        return 0  # torch.cuda.device_count() on a machine without GPUs
+
+    def test_nothing(self):
+        raise AssertionError("never runs")
+"""
+    )
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*world_size is 0: no rank to run the test on*"])

@@ -74,6 +74,39 @@ def test_every_timeout_source_bounds_the_ranks_with_one_timer(
     result.stdout.no_fnmatch_line("*+++ Timeout +++*")
 
 
+@pytest.mark.slow
+def test_pytest_timeout_still_bounds_a_rank_tests_set_up_and_teardown(
+    pytester: pytest.Pytester,
+) -> None:
+    """The harness's timer bounds the body; pytest-timeout's bounds the fixtures around it,
+    made in the pytest process, as in a plain test."""
+    pytester.makepyfile(
+        """
+        import threading, pytest
+
+        @pytest.fixture
+        def stuck_set_up():
+            threading.Event().wait()
+
+        @pytest.fixture
+        def stuck_teardown():
+            yield
+            threading.Event().wait()
+
+        @pytest.mark.ranks(2)
+        def test_set_up(rank, stuck_set_up):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_teardown(rank, stuck_teardown):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "--timeout", "3", timeout=120)
+    result.assert_outcomes(passed=1, errors=2)
+    result.stdout.fnmatch_lines(["*Timeout (>3.0s)*"])
+
+
 def test_bad_option_values_name_their_source(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest("-p", "harness", "--rank-timeout", "soon")

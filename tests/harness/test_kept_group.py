@@ -147,6 +147,34 @@ def test_d_kept_when_every_count_agrees(rank):
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
 
 
+def test_sends_no_rank_received_get_a_fresh_group_even_when_counts_agree(
+    inner: pytest.Pytester,
+) -> None:
+    """Each rank sends to the other and never receives: each made one operation, so the
+    counts agree, but the next test's receive would get the stale message."""
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+def test_a_sends_crossed_never_received(rank):
+    dist.isend(torch.full((1,), 100.0 + rank), dst=1 - rank)
+
+@pytest.mark.ranks(2)  # the same bound as the last test: it may run on its group
+def test_b_gets_no_stale_message(rank):
+    t = torch.zeros(1)
+    if rank == 0:
+        dist.send(torch.full((1,), 7.0), dst=1)
+        dist.recv(t, src=1)
+        assert t.item() == 8.0
+    else:
+        dist.recv(t, src=0)  # on a kept group: rank 0's stale 100.0
+        dist.send(torch.full((1,), 8.0), dst=0)
+        assert t.item() == 7.0
+"""
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_a_rank_without_the_kept_group_gets_every_rank_a_fresh_one(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         GROUPS

@@ -481,3 +481,37 @@ def test_a_unittest_method_marked_for_ranks_is_refused_not_run_here(
     result.stdout.fnmatch_lines(
         ["*@pytest.mark.ranks on *test_sum* cannot run a unittest.TestCase method on ranks*"]
     )
+
+
+def test_an_xfail_on_one_rank_xfails_though_its_peers_lost_it(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(2)
+        def test_known_bug(rank):
+            if rank == 0:
+                pytest.xfail("known bug seen on rank 0")
+            dist.all_reduce(torch.ones(1))  # rank 0 never joins: rank 1 fails for it
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rx")
+    result.assert_outcomes(xfailed=1)
+
+
+def test_capsys_disabled_in_a_rank_lets_output_through(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_through(rank, capsys):
+            print("captured")
+            with capsys.disabled():
+                print(f"through from {rank}")
+            assert capsys.readouterr().out == "captured\\n"
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*stdout [[]rank 1[]]*", "through from 1"], consecutive=False)

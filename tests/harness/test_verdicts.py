@@ -190,6 +190,37 @@ def test_a_ranks_own_network_error_is_its_failure_not_a_peers(inner: pytest.Pyte
     )
 
 
+def test_a_rank_hung_in_a_collectives_fn_is_the_root_cause(inner: pytest.Pytester) -> None:
+    """Every rank is inside all_reduce('batch'); only rank 2 never reached the exchange."""
+    inner.makepyfile(
+        """
+        import threading, pytest
+        import rankwise as rw
+
+        def measure(rank):
+            if rank == 2:
+                threading.Event().wait()  # rank 2's own code never returns
+            return 1
+
+        @pytest.mark.ranks(3, timeout=3)
+        def test_fn_hangs(rank):
+            rw.all_reduce("batch", lambda: measure(rank), sum)
+
+        @pytest.mark.ranks(3, timeout=3)
+        @pytest.mark.fault(rank=2, kind="hang", at="batch")
+        def test_injected_hang(rank):
+            rw.all_reduce("batch", lambda: 1, sum)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        ["rank 2 failed: hung in all_reduce('batch'), before its exchange; ranks 0, 1 collateral*"]
+        * 2,
+        consecutive=False,
+    )
+
+
 def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
     inner: pytest.Pytester,
 ) -> None:

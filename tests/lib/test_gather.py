@@ -50,6 +50,15 @@ def test_gather_bytes_over_a_group_to_a_global_rank(rank: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.ranks(2)
+def test_a_rank_outside_the_group_is_told_so(rank: int) -> None:
+    alone = dist.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"gather_bytes\(dst=0\): rank 1 is not a member"):
+            rw.gather_bytes(b"x", dst=0, group=alone)
+    dist.barrier()
+
+
 @pytest.mark.ranks(4)
 def test_all_empty_payloads(rank: int) -> None:
     assert rw.gather_bytes(b"", dst=0) == ([bytearray()] * 4 if rank == 0 else None)

@@ -71,6 +71,22 @@ def test_a_group_the_body_sets_up_is_destroyed(tmp_path: Path) -> None:
     assert not dist.is_initialized()
 
 
+def _state_follows_the_group_the_body_sets_up(index: int, path: str) -> None:
+    with rw.distributed_run(device="cpu") as state:
+        assert (state.rank, state.world_size, state.is_main) == (0, 1, True)  # one process
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=index, world_size=2)
+        assert (state.rank, state.world_size, state.is_main) == (index, 2, index == 0)
+    assert not dist.is_initialized()
+
+
+def test_the_state_reads_the_live_group_the_body_set_up(tmp_path: Path) -> None:
+    import harness
+
+    harness.spawn(
+        _state_follows_the_group_the_body_sets_up, args=(str(tmp_path / "store"),), nprocs=2
+    )
+
+
 def test_a_one_rank_group_the_body_set_up_is_destroyed_when_it_raises(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="oops"), rw.distributed_run(device="cpu"):
         _one_rank_group(tmp_path / "store")
