@@ -40,7 +40,7 @@ def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
         outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
         outcome.traceback = user_traceback(exc)  # where it was called
     elif (ending := _pytest_outcome(exc)) is not None:
-        return ended(key, rank, ending, message=_text(getattr(exc, "msg", exc)))
+        return ended(key, rank, ending, message=text_of(getattr(exc, "msg", exc)))
     else:
         outcome = raised(key, rank, exc)
     origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
@@ -65,7 +65,7 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _text(value: object) -> str:
+def text_of(value: object) -> str:
     """str(value), or what it is when its __str__ fails (the report must still be made)."""
     try:
         return str(value)
@@ -81,7 +81,7 @@ def raised(key: str, rank: int, exc: BaseException, note: str = "") -> RankOutco
         exc_type=qualified_name(type(exc)),
         exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
         exc_classes=tuple(qualified_name(cls) for cls in type(exc).__mro__),
-        message=_text(exc),
+        message=text_of(exc),
         traceback=user_traceback(exc),
     )
     if note:
@@ -106,7 +106,7 @@ def returned(key: str, rank: int, value: Any) -> RankOutcome:
     try:
         outcome.value_blob = pickle.dumps(value)
     except Exception as exc:
-        outcome.value_lost = f"{type(exc).__name__}: {_text(exc)}"
+        outcome.value_lost = f"{type(exc).__name__}: {text_of(exc)}"
         outcome.notes.append(f"the return value could not be sent back: {outcome.value_lost}")
     return outcome
 

@@ -515,8 +515,12 @@ def _run_target(
         outcome = endings.ended_by(
             task.key, task.rank, exc
         )  # the traceback text, before its frames are cleared
-        with contextlib.suppress(BaseException):
+        try:
             fixtures.close()
+        except BaseException as also:  # reported with the body's error, not instead of it
+            said = f"{type(also).__name__}: {endings.text_of(also)}"
+            outcome.notes.append(f"then, tearing its fixtures down: {said}")
+            del also
         endings.release(exc)
         del exc, args, kwargs, made, call
         _teardown_group()  # peers blocked on us fail now instead of at their timeout

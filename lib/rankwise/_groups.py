@@ -79,24 +79,24 @@ class DistributedProcessGroup:
     ) -> Any:
         """Combine `obj` over each group in turn: `obj = op([every member's obj])`.
 
-        `op` runs exactly once per group, always on a list, so the result has the same type
-        whether or not the run is distributed: a group that is not initialised (not in use,
-        or no live process group) has this process as its only member, giving `op([obj])`.
-        Every member of an initialised group must call this. Values travel as all_reduce's
-        do, never by pickle: they must load with weights_only (register your classes with
+        As modelopt's does, a group that is not initialised (not in use, a group this rank is
+        not a member of, or no live process group) is skipped: `obj` goes on unchanged and
+        `op` is not called for it, so code written for modelopt gets the same results. Every
+        member of an initialised group must call this. Values travel as all_reduce's do,
+        never by pickle: they must load with weights_only (register your classes with
         `torch.serialization.add_safe_globals`); a value that does not raises on its rank,
         naming its type, and on every other member instead of leaving them waiting.
         """
         for group in groups if isinstance(groups, list) else [groups]:
-            values = _members_values(obj, group)
-            obj = op(values)
+            if group.is_initialized():
+                obj = op(_members_values(obj, group))
         return obj
 
 
 def _members_values(obj: Any, group: DistributedProcessGroup) -> list[Any]:
-    """Every member's `obj`, in group order; this process's alone if the group is not live."""
+    """Every member's `obj`, in group order (this process's alone in a group of one)."""
     call = Call("get_dist_syncd_obj", "", "get_dist_syncd_obj")
-    if not group.is_initialized() or single_process(call.text, group.group):
+    if single_process(call.text, group.group):
         return [obj]
     return gather_values(call, lambda: obj, group.group)
 

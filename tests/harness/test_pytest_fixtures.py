@@ -515,3 +515,29 @@ def test_capsys_disabled_in_a_rank_lets_output_through(inner: pytest.Pytester) -
     result = inner.runpytest("-p", "harness", "-rP")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*stdout [[]rank 1[]]*", "through from 1"], consecutive=False)
+
+
+def test_a_teardown_error_after_a_failing_body_is_reported_too(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def resource(rank):
+            yield rank
+            raise OSError(f"could not release on rank {rank}")
+
+        @pytest.mark.ranks(2)
+        def test_fails_then_teardown_fails(resource):
+            assert resource < 0, "the body's failure"
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*the body's failure*",
+            "*then, tearing its fixtures down: OSError: could not release on rank 1*",
+        ],
+        consecutive=False,
+    )

@@ -82,10 +82,10 @@ def test_group_wrapper_rejects_other_types() -> None:
         rw.DistributedProcessGroup("world")
 
 
-def test_synced_object_applies_op_once_per_group_even_without_a_group() -> None:
+def test_synced_object_skips_groups_not_in_use_as_modelopt_does() -> None:
     groups = [rw.DistributedProcessGroup(), rw.DistributedProcessGroup(-1)]
-    # Each group, live or not, applies op to a list of its members' values: same type always.
-    assert rw.DistributedProcessGroup.get_dist_syncd_obj(5, groups, lambda xs: xs) == [[5]]
+    # No live group here: neither is initialised, op is never called, obj comes back as is.
+    assert rw.DistributedProcessGroup.get_dist_syncd_obj(5, groups, lambda xs: xs) == 5
     assert rw.DistributedProcessGroup.get_dist_syncd_obj(5, groups[0], sum) == 5
 
 
@@ -100,7 +100,13 @@ def test_synced_object_over_live_groups(rank: int) -> None:
     assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, [mine, world], sum) == 12
     assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, [mine, world], max) == 3
     unused = rw.DistributedProcessGroup(-1)
-    assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, unused, lambda xs: xs) == [rank]
+    assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, unused, lambda xs: xs) == rank
+    # ParallelState's defaults (tensor and expert parallel not in use) leave only the world.
+    state = rw.ParallelState()
+    every = [state.data_parallel_group, state.tensor_parallel_group]
+    every.append(state.expert_model_parallel_group)
+    found = rw.DistributedProcessGroup.get_dist_syncd_obj(rank, every, lambda xs: xs)
+    assert found == [0, 1, 2, 3]
 
 
 def test_parallel_state_defaults_and_repr() -> None:
@@ -125,8 +131,9 @@ def test_a_group_this_rank_is_not_in_reads_as_not_a_member(rank: int) -> None:
     only_zero = rw.DistributedProcessGroup(dist.new_group([0]))  # torch's sentinel on rank 1
     expected = (True, 0, 1) if rank == 0 else (False, -1, -1)
     assert (only_zero.is_initialized(), only_zero.rank(), only_zero.world_size()) == expected
-    # A non-member combines its own value alone, as for a group not in use.
-    assert rw.DistributedProcessGroup.get_dist_syncd_obj(rank, only_zero, lambda xs: xs) == [rank]
+    # rank 0 combines its value alone; for rank 1, not a member, the group is skipped.
+    found = rw.DistributedProcessGroup.get_dist_syncd_obj(rank, only_zero, lambda xs: xs)
+    assert found == ([0] if rank == 0 else 1)
     assert "not a member" in repr(only_zero) or rank == 0
 
 
