@@ -20,8 +20,8 @@ class DistributedProcessGroup:
 
     A group that is not in use reports rank and world size -1. So does a group this rank is
     not a member of: torch's `new_group` returns a sentinel on such ranks, which callers pass
-    straight in; it is not initialised here, and `get_dist_syncd_obj` gives this rank's value
-    alone to `op`. Without a live default process group (a single process), the world and
+    straight in; it is not initialised here, and `get_dist_syncd_obj` skips it on such a
+    rank. Without a live default process group (a single process), the world and
     any group report rank 0 of a world of 1.
     """
 
