@@ -43,6 +43,9 @@ def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
         return ended(key, rank, ending, message=text_of(getattr(exc, "msg", exc)))
     else:
         outcome = raised(key, rank, exc)
+        returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
+        if type(exc).__name__ == "Exit" and isinstance(returncode, int):
+            outcome.exit_code = returncode
     origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
     if isinstance(origin, int) and not isinstance(origin, bool):
         outcome.origin_rank = origin

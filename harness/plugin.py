@@ -87,6 +87,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except SpecError as exc:
             item.stash[_spec_error_key] = str(exc)
             continue
+        if item.cls is not None:
+            runner.remember_class(item.cls)  # what setup_class adds later travels
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -34,7 +34,7 @@ DUMP_STACKS_SIGNAL = signal.SIGUSR1
 # Fixtures each rank makes for itself: only a rank knows them, or their effect (capture,
 # patches, finalizers) must happen in the rank. The pytest process sends None in their
 # place, except a base the rank builds from: tmp_path and tmpdir (the test's directory, as
-# a str), request (a RequestInfo).
+# a str), request (a RequestInfo), caplog (the level to capture from, or None).
 RANK_SIDE_FIXTURES = (
     "rank",
     "device",
@@ -326,6 +326,7 @@ class RunArgs:
     kwargs: dict[str, Any]
     instance_state: dict[str, Any] | None  # a test class instance's attributes
     fixtures: FixturePlan | None  # fixtures the rank makes before the call
+    class_state: dict[str, Any] | None  # what setup_class set on the test's class
 
 
 def encode_args(
@@ -333,13 +334,14 @@ def encode_args(
     kwargs: dict[str, Any],
     instance_state: dict[str, Any] | None = None,
     fixtures: FixturePlan | None = None,
+    class_state: dict[str, Any] | None = None,
 ) -> bytes:
-    """A run's arguments, for the trip to the ranks; a test class instance's attributes and
-    the fixtures the ranks make too. One pickle: a value the test and a fixture share stays
-    one object."""
-    return pickle.dumps((args, kwargs, instance_state, fixtures))
+    """A run's arguments, for the trip to the ranks; a test class's and its instance's
+    attributes and the fixtures the ranks make too. One pickle: a value the test and a
+    fixture share stays one object."""
+    return pickle.dumps((args, kwargs, instance_state, fixtures, class_state))
 
 
 def decode_args(blob: bytes) -> RunArgs:
-    args, kwargs, state, fixtures = pickle.loads(blob)
-    return RunArgs(tuple(args), dict(kwargs), state, fixtures)
+    args, kwargs, state, fixtures, class_state = pickle.loads(blob)
+    return RunArgs(tuple(args), dict(kwargs), state, fixtures, class_state)

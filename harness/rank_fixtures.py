@@ -122,7 +122,7 @@ class RankFixtures:
             "capsysbinary": lambda _: self._capture("SysCaptureBinary"),
             "capfd": lambda _: self._capture("FDCapture"),
             "capfdbinary": lambda _: self._capture("FDCaptureBinary"),
-            "caplog": lambda _: self._caplog(),
+            "caplog": self._caplog,
             "recwarn": lambda _: self._stack.enter_context(pytest.WarningsRecorder(_ispytest=True)),
             "request": lambda _: self._request,
             "tmp_path": self._tmp_path,
@@ -169,14 +169,15 @@ class RankFixtures:
         self._stack.callback(fixture.close)
         return fixture
 
-    def _caplog(self) -> Any:
+    def _caplog(self, level: int | None) -> Any:
+        """pytest's caplog for this rank, capturing from `level` (the session's log_level)."""
         from _pytest import logging as pytest_logging
 
         handler = pytest_logging.LogCaptureHandler()
         holder = _StashHolder()
         holder.stash[pytest_logging.caplog_handler_key] = handler
         holder.stash[pytest_logging.caplog_records_key] = {"call": handler.records}
-        self._stack.enter_context(pytest_logging.catching_logs(handler))
+        self._stack.enter_context(pytest_logging.catching_logs(handler, level=level))
         fixture = pytest_logging.LogCaptureFixture(holder, _ispytest=True)  # type: ignore[arg-type]
         self._stack.callback(fixture._finalize)
         return fixture

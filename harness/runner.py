@@ -57,11 +57,24 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
     spec = with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
+    _stop_if_a_rank_did(outcomes)
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
     record_leftovers(item, outcomes)
     attach_output(item, outcomes)
     judge(item, spec, outcomes)
+
+
+def _stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
+    """pytest.exit() or KeyboardInterrupt in a rank stops the session, as in a plain test."""
+    for o in outcomes:
+        if o.ending is not Ending.RAISED:
+            continue
+        if o.exc_type == "_pytest.outcomes.Exit":
+            code = o.exit_code if o.exit_code is not None else pytest.ExitCode.INTERRUPTED
+            pytest.exit(f"[rank {o.rank}] {o.message}", returncode=code)
+        if o.exc_type == "builtins.KeyboardInterrupt":
+            raise KeyboardInterrupt(f"in rank {o.rank}")
 
 
 def _warn_of_returned_values(item: pytest.Function, outcomes: list[RankOutcome]) -> None:
@@ -165,12 +178,34 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
     kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
     state = dict(vars(item.instance)) if item.instance is not None else None
     fixtures = rank_made.plan(item, lambda name, depth: _dependency(item, name, depth))
+    class_state = class_changes(item.cls) if item.cls is not None else None
     try:
-        return encode_args((), kwargs, state, fixtures)
+        return encode_args((), kwargs, state, fixtures, class_state)
     except Exception:
         extra = fixtures.values if fixtures is not None else {}
         _fail_naming_the_fixture(item, {**kwargs, **extra, **(state or {})})
         raise  # no single value is to blame: the error as pickle gave it
+
+
+# Each rank test class's own attributes as collected: what a rank's import of it has.
+_class_bodies: dict[int, tuple[type, dict[str, Any]]] = {}
+
+
+def remember_class(cls: type) -> None:
+    """Note `cls`'s attributes before any setup_class runs (at collection)."""
+    if id(cls) not in _class_bodies:
+        _class_bodies[id(cls)] = (cls, dict(vars(cls)))
+
+
+def class_changes(cls: type) -> dict[str, Any] | None:
+    """The attributes set on `cls` since it was collected (by setup_class, a class-scoped
+    fixture) that can travel: a rank's own import of the class lacks them."""
+    known = _class_bodies.get(id(cls))
+    if known is None or known[0] is not cls:
+        return None
+    body = known[1]
+    changed = {k: v for k, v in vars(cls).items() if k not in body or body[k] is not v}
+    return {k: v for k, v in changed.items() if _pickles(v)} or None
 
 
 def _dependency(item: pytest.Function, name: str, depth: int) -> Any:
@@ -208,6 +243,10 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
         return request_info(item)
     if name in ("tmp_path", "tmpdir"):
         return str(item.funcargs[name])  # each rank makes its own directory below it
+    if name == "caplog":  # the level pytest captures at (--log-level, ini log_level)
+        from _pytest.logging import get_log_level_for_setting
+
+        return get_log_level_for_setting(item.config, "log_level")
     return None if name in RANK_SIDE_FIXTURES else item.funcargs[name]
 
 

@@ -489,7 +489,7 @@ def _prepare_call(task: RunTask) -> _Call:
     """Load the test's module, then what may refer to its classes: the arguments, the faults."""
     _finder.learn(task.target)  # first: those classes may live in modules only pytest can find
     run = decode_args(task.args_blob)
-    fn = _resolve(task, run.instance_state)
+    fn = _resolve(task, run.instance_state, run.class_state)
     return _Call(fn, run.args, run.kwargs, task.load_faults(), run.fixtures)
 
 
@@ -550,7 +550,9 @@ def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:
 _loaded: dict[str, tuple[str, int]] = {}
 
 
-def _resolve(task: RunTask, instance_state: dict[str, Any] | None) -> Callable[..., Any]:
+def _resolve(
+    task: RunTask, instance_state: dict[str, Any] | None, class_state: dict[str, Any] | None
+) -> Callable[..., Any]:
     target = task.target
     module = _load_module(target.module, target.file)
     holder: Any = module
@@ -558,6 +560,8 @@ def _resolve(task: RunTask, instance_state: dict[str, Any] | None) -> Callable[.
     for part in parts[:-1]:
         holder = getattr(holder, part)
     if isinstance(holder, type):
+        for name, value in (class_state or {}).items():
+            setattr(holder, name, value)  # what setup_class set in the pytest process
         holder = holder()  # a test class: pytest makes one instance per test too
         holder.__dict__.update(instance_state or {})  # what setup_method set on it
     return getattr(holder, parts[-1])  # type: ignore[no-any-return]

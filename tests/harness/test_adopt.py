@@ -523,3 +523,26 @@ class TestNoGpus(TwoRanks):
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*world_size is 0: no rank to run the test on*"])
+
+
+def test_without_a_harness_timeout_torchs_own_per_test_timeout_applies(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_torch_timeout=PROCESS_BASE
+        + """
+import threading
+from torch.testing._internal import common_distributed
+
+common_distributed.TIMEOUT_OVERRIDE["test_hang"] = 2  # as torch's suites name slow tests
+
+
+class TestTimeouts(TwoRanks):
+    def test_hang(self):
+        if self.rank == 1:
+            threading.Event().wait()
+"""
+    )
+    result = pytester.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["still running at the 2 s timeout; killed"])

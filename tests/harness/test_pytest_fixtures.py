@@ -199,15 +199,24 @@ def test_a_skip_on_some_ranks_says_which(inner: pytest.Pytester) -> None:
 def test_xunit_setup_method_state_reaches_the_rank(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
-        import pytest
+        import threading, pytest
 
         class TestModel:
+            depth = 2
+            lock = threading.Lock()  # in the class body: the rank's own import has it
+
+            @classmethod
+            def setup_class(cls):
+                cls.vocab = ["a", "b"]
+                cls.depth = 3
+
             def setup_method(self, method):
                 self.width = 8
 
             @pytest.mark.ranks(2)
             def test_sees_setup(self, rank):
                 assert self.width == 8
+                assert (self.vocab, self.depth, type(self).vocab) == (["a", "b"], 3, ["a", "b"])
         """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
@@ -541,3 +550,41 @@ def test_a_teardown_error_after_a_failing_body_is_reported_too(inner: pytest.Pyt
         ],
         consecutive=False,
     )
+
+
+def test_caplog_in_a_rank_captures_at_the_configured_log_level(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\nrank_timeout = 30\nlog_level = INFO\n")
+    inner.makepyfile(
+        """
+        import logging, pytest
+
+        @pytest.mark.ranks(2)
+        def test_info(rank, caplog):
+            logging.getLogger("train").info("step on rank %d", rank)
+            assert caplog.messages == [f"step on rank {rank}"]
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_pytest_exit_or_an_interrupt_in_a_rank_stops_the_session(
+    inner: pytest.Pytester, how: str
+) -> None:
+    stop = 'pytest.exit("enough", returncode=3)' if how == "exit" else "raise KeyboardInterrupt"
+    inner.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_stops(rank):
+            if rank == 1:
+                {stop}
+
+        def test_never_runs():
+            raise AssertionError("the session went on")
+        """
+    )
+    result = inner.runpytest("-p", "harness", no_reraise_ctrlc=True)
+    assert result.ret == (3 if how == "exit" else pytest.ExitCode.INTERRUPTED)
+    result.stdout.no_fnmatch_line("*the session went on*")
