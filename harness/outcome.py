@@ -39,7 +39,8 @@ _TORCH_DISTRIBUTED_FRAME = re.compile(r'File "[^"]*/torch/distributed/')
 _PEER_ERROR_TEXT = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"
     r"ProcessGroup.*(aborted|destroyed)|communicator was aborted|"
-    r"Socket Timeout|Connection refused|peer.*(closed|died|exited)",
+    r"Socket Timeout|Connection refused|peer.*(closed|died|exited)|"
+    r"Timed out waiting \d+ms for (recv|send) operation",  # gloo: a peer never came
     re.IGNORECASE,
 )
 

@@ -221,6 +221,36 @@ def test_a_rank_hung_in_a_collectives_fn_is_the_root_cause(inner: pytest.Pyteste
     )
 
 
+def test_a_peers_timeout_waiting_for_a_late_rank_is_collateral(inner: pytest.Pytester) -> None:
+    """Ranks 0 and 1 time out in a collective waiting for rank 2, which then fails itself."""
+    inner.makepyfile(
+        """
+        import time
+        from datetime import timedelta
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(3)
+        def test_late_rank(rank, shared_tmp_path):
+            group = dist.new_group(timeout=timedelta(seconds=1))
+            if rank < 2:
+                try:
+                    dist.all_reduce(torch.ones(1), group=group)
+                finally:
+                    (shared_tmp_path / f"timed-out-{rank}").touch()
+            deadline = time.monotonic() + 30
+            while len(list(shared_tmp_path.glob("timed-out-*"))) < 2:  # rank 2 comes late
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            raise ValueError("rank 2 could not load its shard")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["rank 2 failed: raised ValueError: rank 2 could not load its shard; ranks 0, 1 coll*"]
+    )
+
+
 def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
     inner: pytest.Pytester,
 ) -> None:
