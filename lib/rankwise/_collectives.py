@@ -425,9 +425,11 @@ def _raise_for_refusals(headers: Headers, error: BaseException | None, src: obje
 
 
 def _exit_code(exc: SystemExit) -> int:
+    """The code a header carries (int64): 1, as for a message, for one it cannot hold."""
     if exc.code is None:
         return 0
-    return exc.code if isinstance(exc.code, int) else 1
+    fits = isinstance(exc.code, int) and -(2**63) <= exc.code < 2**63
+    return exc.code if fits else 1  # type: ignore[return-value]
 
 
 def _raise_for_source(headers: Headers, error: BaseException | None, src: int) -> None:

@@ -11,6 +11,7 @@ fails where it was made, before any rank waits for it. Loading never runs arbitr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from typing import Any
@@ -34,7 +35,10 @@ _MAX_DEPTH = 32
 def encode(value: Any, what: str) -> bytes:
     """`value` as bytes: JSON if plain, else torch.save checked to load with weights_only."""
     if _plain(value, 0):
-        return _JSON + json.dumps(value, allow_nan=True, separators=(",", ":")).encode()
+        with contextlib.suppress(ValueError):  # an int past Python's digit limit: torch.save
+            text = json.dumps(value, allow_nan=True, separators=(",", ":"))
+            json.loads(text)  # the limit applies when reading too
+            return _JSON + text.encode()
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)

@@ -443,3 +443,23 @@ def test_a_collective_only_some_ranks_run_inside_fn_raises_on_every_rank(
     assert out.endings == [E, E], out.report()  # rank 0 joined no second exchange alone
     for o in out:
         assert "ranks out of step" in o.message and "broadcast_from('inner')" in o.message
+
+
+def test_an_int_too_long_for_json_is_a_wire_error_naming_its_type() -> None:
+    from rankwise._wire import WireError
+
+    huge = 10**5000  # past Python's 4300-digit limit for int <-> str; weights_only refuses it
+    with pytest.raises(WireError, match="the value of type int"):
+        _wire_round_trip(huge)
+
+
+def _wire_round_trip(value: Any) -> Any:
+    from rankwise import _wire
+
+    return _wire.decode(_wire.encode(value, "test"))
+
+
+def test_an_exit_code_a_header_cannot_hold_reads_as_a_failure() -> None:
+    from rankwise._collectives import _exit_code
+
+    assert _exit_code(SystemExit(2**64)) == 1 and _exit_code(SystemExit(-3)) == -3
