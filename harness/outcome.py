@@ -363,23 +363,37 @@ class Expectation(Protocol):
     def describe(self) -> str: ...
 
 
+def failed_ranks(
+    outcomes: Sequence[RankOutcome], expected: Sequence[Expectation] = ()
+) -> list[int]:
+    """The ranks that did not end as `expected` (default: every rank returns)."""
+    if expected:
+        return [o.rank for o in outcomes if not expected[o.rank].matches(o)]
+    return [o.rank for o in outcomes if not o.ok]
+
+
+def root_cause(
+    outcomes: Sequence[RankOutcome], expected: Sequence[Expectation] = ()
+) -> RankOutcome | None:
+    """The rank the failure report puts first; None when every rank ended as expected, or
+    no one rank is to blame (ranks out of step)."""
+    failed = failed_ranks(outcomes, expected)
+    root = diagnose(outcomes, failed).root if failed else None
+    return next((o for o in outcomes if o.rank == root), None)
+
+
 def failure_text(
     outcomes: Sequence[RankOutcome], expected: Sequence[Expectation] = ()
 ) -> str | None:
     """The report for outcomes that differ from `expected` (default: all return), or None."""
-    if expected:
-        failed = [o.rank for o in outcomes if not expected[o.rank].matches(o)]
-        if not failed:
-            return None
-        header = f"expected outcomes not met on {ranks_phrase(failed)}"
-        body = render_report(
-            outcomes, diagnose(outcomes, failed), expectation_table(expected, outcomes)
-        )
-        return f"{header}\n\n{body}"
-    failed = [o.rank for o in outcomes if not o.ok]
+    failed = failed_ranks(outcomes, expected)
     if not failed:
         return None
     diagnosis = diagnose(outcomes, failed)
+    if expected:
+        header = f"expected outcomes not met on {ranks_phrase(failed)}"
+        body = render_report(outcomes, diagnosis, expectation_table(expected, outcomes))
+        return f"{header}\n\n{body}"
     return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis))
 
 

@@ -27,9 +27,9 @@ from harness.hygiene import CHECKS
 from harness.outcome import (
     Ending,
     RankOutcome,
-    diagnose,
     failure_text,
     ranks_phrase,
+    root_cause,
     set_up_failure_text,
 )
 from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, RequestInfo, Target, encode_args
@@ -375,17 +375,7 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     if text is not None:
         first, _, rest = text.partition("\n")
         message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
-        raise _as_the_xfail_marker_expects(item, _root_cause(spec, outcomes), message)
-
-
-def _root_cause(spec: RankSpec, outcomes: list[RankOutcome]) -> RankOutcome | None:
-    """The rank the failure report puts first, if one rank is to blame."""
-    if spec.expected:
-        failed = [o.rank for o in outcomes if not spec.expected[o.rank].matches(o)]
-    else:
-        failed = [o.rank for o in outcomes if not o.ok]
-    root = diagnose(outcomes, failed).root
-    return None if root is None else next(o for o in outcomes if o.rank == root)
+        raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
 
 
 def _xfail_if_ranks_did(outcomes: list[RankOutcome]) -> None:

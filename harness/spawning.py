@@ -23,7 +23,7 @@ import pytest
 
 from harness import adopt_rank, rank_warnings, runner
 from harness.errors import SpecError, invalid
-from harness.outcome import Ending, RankOutcome, diagnose, failure_text, signal_name
+from harness.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.protocol import RankSpec, Target, encode_args
 from harness.settings import settings_of, timeout_for
 
@@ -166,9 +166,7 @@ def raise_for(outcomes: list[RankOutcome]) -> None:
         return
     if all(o.ending is Ending.SKIPPED for o in outcomes):
         raise pytest.skip.Exception(outcomes[0].message)
-    failed = [o.rank for o in outcomes if not o.ok]
-    root = diagnose(outcomes, failed).root
-    culprit = next(o for o in outcomes if o.rank == (failed[0] if root is None else root))
+    culprit = root_cause(outcomes) or next(o for o in outcomes if not o.ok)
     raise _exception_for(culprit, report, outcomes)
 
 
