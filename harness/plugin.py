@@ -198,13 +198,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 class _OnlyInRanks:
-    """What a rank-side fixture is in the pytest process: a placeholder the rank replaces."""
+    """What a rank-side fixture is in the pytest process: a placeholder the rank replaces.
+    Using it here (comparing, formatting, arithmetic) raises: a fixture made here that reads
+    it would quietly compute with a placeholder."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def __repr__(self) -> str:
         return f"<{self.name}: set inside each rank>"
+
+    def _used_here(self, *_: Any) -> Any:
+        raise pytest.UsageError(
+            f"{self.name!r} is known only inside each rank, but was used in the pytest process "
+            f"(by a fixture made here, through request.getfixturevalue): ask for "
+            f"{self.name!r} as an argument of that fixture, so each rank makes it"
+        )
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _used_here
+    __bool__ = __int__ = __index__ = __float__ = __str__ = __format__ = _used_here
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used_here
+    __truediv__ = __floordiv__ = __mod__ = __rmod__ = _used_here
+    __hash__ = object.__hash__
 
 
 def _rank_spec(request: pytest.FixtureRequest, name: str) -> RankSpec:

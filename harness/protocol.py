@@ -104,6 +104,7 @@ class RequestInfo:
     ini: dict[str, Any]  # those that pickle
     has_param: bool = False
     param: Any = None
+    flags: dict[str, str] = field(default_factory=dict)  # "--big" -> its option's dest
 
 
 def device_for(backend: Backend, rank: int) -> str:
@@ -303,6 +304,7 @@ class FixtureRecipe:
     args: tuple[tuple[str, str], ...]  # (parameter, key of the value it is called with)
     has_param: bool = False  # a parametrized fixture: request.param is this
     param: Any = None
+    file: str | None = None  # the module's file: two conftests can share a module name
 
     @property
     def name(self) -> str:

@@ -14,7 +14,11 @@ import contextlib
 import copy
 import functools
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,19 +51,27 @@ class RankNode:
         return f"<RankNode {self.nodeid}>"
 
 
+_UNSET = object()  # getoption without a default: an unknown option raises, as in pytest
+
+
 class RankConfig:
     """The pytest process's option and ini values, as they were when the test ran."""
 
     def __init__(self, info: RequestInfo) -> None:
         self._options = info.options
         self._ini = info.ini
+        self._flags = info.flags
 
-    def getoption(self, name: str, default: Any = None, skip: bool = False) -> Any:
-        if name in self._options:
-            return self._options[name]
+    def getoption(self, name: str, default: Any = _UNSET, skip: bool = False) -> Any:
+        """An option by its name or its flag ("--big"), as pytest's config.getoption."""
+        key = self._flags.get(name, name)
+        if key in self._options:
+            return self._options[key]
         if skip:
             pytest.skip(f"no {name!r} option found")
-        return default
+        if default is not _UNSET:
+            return default
+        raise ValueError(f"no option named {name!r} (or its value could not reach the rank)")
 
     def getini(self, name: str) -> Any:
         if name not in self._ini:
@@ -88,6 +100,12 @@ class RankRequest:
 
     def addfinalizer(self, finalizer: Callable[[], object]) -> None:
         self._on_teardown(finalizer)
+
+    def getfixturevalue(self, name: str) -> Any:
+        raise pytest.UsageError(
+            f"request.getfixturevalue({name!r}) cannot make a fixture inside a rank: ask for "
+            f"{name!r} as an argument of the test (or of the fixture)"
+        )
 
     def for_fixture(self, recipe: FixtureRecipe) -> RankRequest:
         view = copy.copy(self)
@@ -221,7 +239,7 @@ def _finish(name: str, generator: Any) -> None:
 def _fixture_function(recipe: FixtureRecipe, holder: object) -> Callable[..., Any]:
     """The function of a fixture the rank makes, found by name; bound to the test's class
     instance when the fixture is a method of its class (a new instance for another class)."""
-    found: Any = importlib.import_module(recipe.module)
+    found: Any = _fixture_module(recipe)
     parts = recipe.qualname.split(".")
     for part in parts[:-1]:
         found = getattr(found, part)
@@ -230,6 +248,40 @@ def _fixture_function(recipe: FixtureRecipe, holder: object) -> Callable[..., An
         instance = holder if isinstance(holder, found) else found()
         return functools.partial(function, instance)
     return function
+
+
+def _fixture_module(recipe: FixtureRecipe) -> types.ModuleType:
+    """The module the fixture's function lives in: by name, unless that name holds another
+    file (two conftest.py outside packages are both "conftest"), then that file's own."""
+    module = importlib.import_module(recipe.module)
+    here = getattr(module, "__file__", None)
+    if recipe.file is None or (here is not None and _same_path(here, recipe.file)):
+        return module
+    return _module_of_file(recipe.file)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+_by_file: dict[str, tuple[int, types.ModuleType]] = {}
+
+
+def _module_of_file(file: str) -> types.ModuleType:
+    """`file` loaded apart, under a name of its own, once per version of the file."""
+    stamp = os.stat(file).st_mtime_ns
+    known = _by_file.get(file)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    name = f"_harness_fixtures_{len(_by_file)}_{os.path.basename(file).removesuffix('.py')}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the fixtures of {file} in a rank")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _by_file[file] = (stamp, module)
+    return module
 
 
 def _unwrapped(obj: Any) -> Any:

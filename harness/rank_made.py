@@ -1,15 +1,18 @@
 """A rank test's fixtures that each rank makes itself, chosen and described in the pytest process.
 
-A fixture that uses one only a rank has (its `rank`, `device`, `tmp_path`, `monkeypatch`,
-`capsys`, ...), directly or through another fixture, means something else in each rank: run
-in the pytest process it would see placeholders (and `if rank == 1:` would quietly be false)
-and patch the wrong process. The pytest process therefore skips it and sends a recipe (where
-its function is, what it is called with); the rank calls it before the test and tears it
-down after. Imports no torch.
+A fixture that uses one only a rank has (its `rank` or `device`, or what captures inside it:
+`capsys`, `capfd`, `caplog`, `recwarn`), directly or through another fixture, means
+something else in each rank: run in the pytest process it would see placeholders, and
+`if rank == 1:` would quietly be false. The pytest process therefore skips it and sends a
+recipe (where its function is, what it is called with); the rank calls it before the test
+and tears it down after. A fixture using only `monkeypatch` or `tmp_path` still runs here,
+as before: the environment it sets travels to the ranks and reaches the fixtures made here;
+one that must patch inside the ranks asks for `rank` too. Imports no torch.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +20,10 @@ import pytest
 
 from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe
 
-# Fixtures that are per rank themselves: one that uses any of them is made in each rank.
-PER_RANK = frozenset(RANK_SIDE_FIXTURES) - {"request"}
+# Fixtures that are per rank themselves and mean nothing here: one that uses any of them is
+# made in each rank. (monkeypatch, tmp_path and tmpdir are made per rank too, but a fixture
+# of the pytest process may use them as ever.)
+PER_RANK = frozenset(RANK_SIDE_FIXTURES) - {"request", "monkeypatch", "tmp_path", "tmpdir"}
 
 _made_key = pytest.StashKey[frozenset[int]]()  # ids of the FixtureDefs the ranks make
 
@@ -100,6 +105,8 @@ def _recipe(
     func = fixturedef.func
     module = getattr(func, "__module__", None)
     qualname = getattr(func, "__qualname__", "")
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    file = code.co_filename if code is not None else None  # conftests may share a name
     name = fixturedef.argname
     if not module or not qualname or "<" in qualname:
         pytest.fail(
@@ -109,8 +116,8 @@ def _recipe(
             pytrace=False,
         )
     callspec = getattr(item, "callspec", None)
-    params = callspec.params if callspec is not None and key == name else {}
-    return FixtureRecipe(key, module, qualname, args, name in params, params.get(name))
+    params = callspec.params if callspec is not None else {}  # an override sees it too
+    return FixtureRecipe(key, module, qualname, args, name in params, params.get(name), file)
 
 
 _cache: dict[int, tuple[object, dict[str, tuple[Any, str]]]] = {}

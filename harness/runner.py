@@ -32,7 +32,15 @@ from harness.outcome import (
     root_cause,
     set_up_failure_text,
 )
-from harness.protocol import RANK_SIDE_FIXTURES, RankSpec, RequestInfo, Target, encode_args
+from harness.protocol import (
+    RANK_SIDE_FIXTURES,
+    FixturePlan,
+    FixtureRecipe,
+    RankSpec,
+    RequestInfo,
+    Target,
+    encode_args,
+)
 from harness.settings import settings_of, spec_for_call
 
 if TYPE_CHECKING:
@@ -182,9 +190,15 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
     try:
         return encode_args((), kwargs, state, fixtures, class_state)
     except Exception:
-        extra = fixtures.values if fixtures is not None else {}
-        _fail_naming_the_fixture(item, {**kwargs, **extra, **(state or {})})
-        raise  # no single value is to blame: the error as pickle gave it
+        pass  # found below, outside this handler: the report shows the message alone
+    extra = fixtures.values if fixtures is not None else {}
+    params = {r.name: r.param for r in _recipes(fixtures) if r.has_param}
+    message = _unsendable(item, {**kwargs, **extra, **(state or {})}) or _unsendable(
+        item, params, " (its param)"
+    )
+    if message is not None:
+        pytest.fail(message, pytrace=False)
+    return encode_args((), kwargs, state, fixtures, class_state)  # no one value: pickle's error
 
 
 # Each rank test class's own attributes as collected: what a rank's import of it has.
@@ -206,6 +220,10 @@ def class_changes(cls: type) -> dict[str, Any] | None:
     body = known[1]
     changed = {k: v for k, v in vars(cls).items() if k not in body or body[k] is not v}
     return {k: v for k, v in changed.items() if _pickles(v)} or None
+
+
+def _recipes(plan: FixturePlan | None) -> tuple[FixtureRecipe, ...]:
+    return plan.recipes if plan is not None else ()
 
 
 def _dependency(item: pytest.Function, name: str, depth: int) -> Any:
@@ -265,6 +283,7 @@ def request_info(item: pytest.Function) -> RequestInfo:
         ini=_picklable_once(config, "ini", inis),
         has_param=hasattr(request, "param"),
         param=getattr(request, "param", None),
+        flags=_picklable_once(config, "flags", dict(getattr(config._parser, "_opt2dest", {}))),
     )
 
 
@@ -311,17 +330,18 @@ def _pickles(value: Any) -> bool:
     return True
 
 
-def _fail_naming_the_fixture(item: pytest.Function, kwargs: dict[str, Any]) -> None:
-    for name, value in kwargs.items():
+def _unsendable(item: pytest.Function, values: dict[str, Any], what: str = "") -> str | None:
+    """The message naming the first of `values` (by fixture name) that cannot be pickled."""
+    for name, value in values.items():
         try:
             pickle.dumps(value)
         except Exception as exc:
-            pytest.fail(
-                f"fixture {name!r} of {item.nodeid} cannot be sent to the ranks "
+            return (
+                f"fixture {name!r}{what} of {item.nodeid} cannot be sent to the ranks "
                 f"({type(exc).__name__}: {exc}); make its value picklable, or build it "
-                f"inside the test body",
-                pytrace=False,
+                f"inside the test body"
             )
+    return None
 
 
 def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:

@@ -515,15 +515,18 @@ def _run_target(
         outcome = endings.ended_by(
             task.key, task.rank, exc
         )  # the traceback text, before its frames are cleared
+        endings.release(exc)
+        del exc, args, kwargs, made, call
+        # Peers blocked on us fail now instead of at their timeout, and so does a fixture's
+        # teardown waiting in a collective (it would hang until the deadline, and the report
+        # would show where ranks waited instead of this error).
+        _teardown_group()
         try:
             fixtures.close()
         except BaseException as also:  # reported with the body's error, not instead of it
             said = f"{type(also).__name__}: {endings.text_of(also)}"
             outcome.notes.append(f"then, tearing its fixtures down: {said}")
             del also
-        endings.release(exc)
-        del exc, args, kwargs, made, call
-        _teardown_group()  # peers blocked on us fail now instead of at their timeout
         return outcome
     missed = injector.unreached()
     if missed is not None:

@@ -320,7 +320,7 @@ def test_a_fixture_that_uses_a_rank_fixture_is_made_in_each_rank(inner: pytest.P
             return width + rank
 
         @pytest.fixture
-        def limit(monkeypatch):
+        def limit(monkeypatch, rank):  # rank: made in each rank, so it patches there
             monkeypatch.setattr(sys.modules[__name__], "LIMIT", 5)
 
         @pytest.fixture(params=[1, 2])
@@ -588,3 +588,153 @@ def test_pytest_exit_or_an_interrupt_in_a_rank_stops_the_session(
     result = inner.runpytest("-p", "harness", no_reraise_ctrlc=True)
     assert result.ret == (3 if how == "exit" else pytest.ExitCode.INTERRUPTED)
     result.stdout.no_fnmatch_line("*the session went on*")
+
+
+def test_an_autouse_patch_made_here_still_reaches_the_fixtures_made_here(
+    inner: pytest.Pytester,
+) -> None:
+    """monkeypatch alone does not move a fixture into the ranks: its environment reaches the
+    pytest process's fixtures and travels to the ranks, as before."""
+    inner.makeconftest(
+        """
+        import os, pytest
+
+        @pytest.fixture(autouse=True)
+        def _env(monkeypatch):
+            monkeypatch.setenv("MODE", "test")
+
+        @pytest.fixture
+        def settings():
+            return {"mode": os.environ.get("MODE", "UNSET")}
+        """
+    )
+    inner.makepyfile(
+        """
+        import os, pytest
+
+        @pytest.mark.ranks(2)
+        def test_ranked(settings):
+            assert settings["mode"] == "test" and os.environ["MODE"] == "test"
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_fixtures_of_two_conftests_with_one_module_name_stay_apart(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini("[pytest]\nrank_timeout = 30\n")
+    for side in ("a", "b"):
+        folder = pytester.mkdir(side)
+        (folder / "conftest.py").write_text(
+            f"import pytest\n\n@pytest.fixture\ndef shard(rank):\n    return ({side!r}, rank)\n"
+        )
+        (folder / f"test_{side}.py").write_text(
+            f"import pytest\n\n@pytest.mark.ranks(2)\ndef test_{side}(shard, rank):\n"
+            f"    assert shard == ({side!r}, rank)\n"
+        )
+    pytester.runpytest_subprocess("-p", "harness", timeout=120).assert_outcomes(passed=2)
+
+
+def test_a_collective_in_a_fixture_teardown_does_not_hide_the_bodys_failure(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.fixture
+        def synced(rank):
+            yield rank
+            dist.barrier()  # every rank meets here after the test
+
+        @pytest.mark.ranks(2, timeout=20)
+        def test_one_fails(synced):
+            if synced == 1:
+                raise ValueError("rank 1 broke")
+            dist.all_reduce(torch.ones(1))
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 1 failed: raised ValueError: rank 1 broke*"])
+    result.stdout.no_fnmatch_line("*still running at the 20 s timeout*")
+
+
+def test_an_override_of_a_parametrized_fixture_made_in_ranks_has_its_param(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture(params=[1, 2])
+        def model(request, rank):
+            return request.param * 10 + rank
+        """
+    )
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def model(model, request):
+            return (model, request.param)
+
+        @pytest.mark.ranks(2)
+        def test_model(model, rank):
+            value, param = model
+            assert value == param * 10 + rank
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_options_by_flag_and_rank_values_used_in_the_pytest_process_say_so(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makeconftest(
+        """
+        import threading, pytest
+
+        def pytest_addoption(parser):
+            parser.addoption("--big", action="store_true")
+
+        @pytest.fixture
+        def is_leader(request):  # made in the pytest process: rank is not known there
+            return request.getfixturevalue("rank") == 0
+
+        @pytest.fixture(params=[threading.Lock()])
+        def locked(request, rank):
+            return request.param
+        """
+    )
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_flag(request):
+            assert request.config.getoption("--big") is True
+            assert request.config.getoption("big") is True
+            with pytest.raises(ValueError, match="no option named 'nope'"):
+                request.config.getoption("nope")
+
+        @pytest.mark.ranks(2)
+        def test_leader(is_leader):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_unpicklable_param(locked):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--big")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*'rank' is known only inside each rank*ask for 'rank' as an argument*",
+            "*fixture 'locked' (its param) of *test_unpicklable_param* cannot be sent*",
+        ],
+        consecutive=False,
+    )
