@@ -79,9 +79,7 @@ def plan(item: pytest.Function, sent_value: Callable[[str, int], Any]) -> Fixtur
                 values[key] = sent_value(name, depth)
             return key
         fixturedef, uses = made[key]
-        args = tuple(
-            (arg, visit(arg, depth + 1 if arg == name else 0)) for arg in fixturedef.argnames
-        )
+        args = tuple((arg, visit(arg, _depth(arg, name, depth))) for arg in fixturedef.argnames)
         recipes[key] = _recipe(item, key, fixturedef, uses, args)
         return key
 
