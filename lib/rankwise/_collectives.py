@@ -57,8 +57,7 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
     rank exits with its own code, or the first one's. The same `label` must be used on every
     rank; ranks out of step raise.
     """
-    refused = _label_error("all_reduce", label)
-    call = Call("all_reduce", label if refused is None else repr(label))
+    call, refused = _call_of("all_reduce", label)
     if single_process(call.text):
         if refused is not None:
             raise refused
@@ -79,8 +78,7 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     whose label differs from `src`'s raises; `src` returns its value (the spec's contract).
     Ranks in another collective, or naming another `src`, raise on every rank.
     """
-    bad_label = _label_error("broadcast_from", label)
-    call = Call("broadcast_from", label if bad_label is None else repr(label))
+    call, bad_label = _call_of("broadcast_from", label)
     solo = single_process(call.text)
     refused = bad_label or _src_error(call, src, 1 if solo else size())
     if solo:
@@ -374,10 +372,13 @@ def _members(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _label_error(kind: str, label: object) -> TypeError | None:
+def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
+    """The call `kind(label)`, and the error for a label that is not a str (the call is then
+    named by the label's repr, and still joins the exchange so its peers raise too)."""
     if isinstance(label, str):
-        return None
-    return TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
+        return Call(kind, label), None
+    error = TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
+    return Call(kind, repr(label)), error
 
 
 def _src_error(call: Call, src: object, world: int) -> Exception | None:
