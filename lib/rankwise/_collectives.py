@@ -55,7 +55,8 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
     rank raises: a rank whose own `fn` raised re-raises its error, the others raise a
     RuntimeError naming the first failing rank; if the only failures are SystemExits, each
     rank exits with its own code, or the first one's. The same `label` must be used on every
-    rank; ranks out of step raise.
+    rank; ranks out of step raise. A label that is not a str raises TypeError on its rank and
+    makes every other rank raise too, instead of waiting for it.
     """
     call, refused = _call_of("all_reduce", label)
     if single_process(call.text):
@@ -76,7 +77,8 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     cannot travel, every rank raises instead of waiting: `src` its own error, the others a
     SystemExit with its code if it exited, else a RuntimeError naming it. A receiving rank
     whose label differs from `src`'s raises; `src` returns its value (the spec's contract).
-    Ranks in another collective, or naming another `src`, raise on every rank.
+    Ranks in another collective, or naming another `src`, raise on every rank; so do the
+    others when one rank passes a `src` or label it cannot use (that rank its own error).
     """
     call, bad_label = _call_of("broadcast_from", label)
     solo = single_process(call.text)
