@@ -128,6 +128,7 @@ class RankSpec:
     warning_filters: WarningFilters = WarningFilters()
     threads: int | None = None  # torch intra-op threads per rank; None: torch's own
     fresh_group: bool = False  # never run on a group kept from an earlier test
+    assert_verbosity: int = 0  # pytest's -v for the diffs of the body's failed asserts
 
     @property
     def keeps_group(self) -> bool:

@@ -60,6 +60,7 @@ class Settings:
     fresh_group: bool = False  # --rank-fresh-group: no test runs on a group kept from another
     adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
     launched: Launch | None = None  # torchrun started this process as one rank of a job
+    assert_verbosity: int = 0  # -v / verbosity_assertions: how much an assert diff shows
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -104,6 +105,7 @@ def configure(config: pytest.Config) -> Settings:
             or bool(config.getini("rank_fresh_group")),
             adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
             launched=launched,
+            assert_verbosity=_assert_verbosity(config),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -136,6 +138,14 @@ def _from_option(config: pytest.Config, name: str, default: Any, check: Any) -> 
     if value not in (None, ""):
         return check(value, f"ini option {name!r}")
     return default
+
+
+def _assert_verbosity(config: pytest.Config) -> int:
+    """pytest's verbosity for assertion diffs (verbosity_assertions, else -v's count)."""
+    get = getattr(config, "get_verbosity", None)
+    if get is not None:
+        return int(get("assertions"))
+    return int(config.getoption("verbose", 0) or 0)
 
 
 def _pytest_timeout(config: pytest.Config) -> float | None:
@@ -277,6 +287,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
         warning_filters=rank_warnings.filters_for(item.config, item),
         threads=settings.threads_for(world_size),
+        assert_verbosity=settings.assert_verbosity,
     )
 
 
@@ -358,4 +369,5 @@ def spec_for_call(
         warning_filters=rank_warnings.filters_for(config, node),
         threads=settings.threads_for(size),
         fresh_group=settings.fresh_group,
+        assert_verbosity=settings.assert_verbosity,
     )

@@ -302,6 +302,8 @@ def _enter_test_context(task: RunTask) -> None:
         sys.path[:] = task.sys_path
     os.chdir(task.cwd)
     spec = task.spec
+    global _assert_verbosity
+    _assert_verbosity = spec.assert_verbosity
     if spec.threads is not None:  # restored after the test (rank_state)
         torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
@@ -649,6 +651,9 @@ def _rewrite_asserts(tree: ast.Module, source: bytes, file: str) -> None:
     _install_explanations()
 
 
+_assert_verbosity = 0  # the running test's -v, for its asserts' diffs
+
+
 def _install_explanations() -> None:
     """Give rewritten asserts pytest's detailed comparisons ('At index 1 diff: 2 != 3').
 
@@ -669,13 +674,15 @@ def _install_explanations() -> None:
                 op,
                 left,
                 right,
-                verbose=0,
+                verbose=_assert_verbosity,
                 highlighter=lambda source, lexer="python": source,
                 assertion_text_diff_style="ndiff",
             )
     else:
         config = types.SimpleNamespace(
-            get_verbosity=lambda *a: 0, getoption=lambda *a, **k: 0, getini=lambda *a: ""
+            get_verbosity=lambda *a: _assert_verbosity,
+            getoption=lambda *a, **k: _assert_verbosity,
+            getini=lambda *a: "",
         )
 
         def lines(op: str, left: object, right: object) -> Any:

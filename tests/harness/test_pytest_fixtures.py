@@ -738,3 +738,20 @@ def test_options_by_flag_and_rank_values_used_in_the_pytest_process_say_so(
         ],
         consecutive=False,
     )
+
+
+def test_verbose_runs_show_a_ranks_full_assertion_diff(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_lists(rank):
+            assert list(range(30)) == list(range(29)) + [99]
+        """
+    )
+    quiet = inner.runpytest("-p", "harness")
+    quiet.stdout.fnmatch_lines(["*Use -v to get more diff*"])
+    loud = inner.runpytest("-p", "harness", "-vv")
+    loud.stdout.fnmatch_lines(["*Full diff:*"])
+    loud.stdout.no_fnmatch_line("*Use -v to get more diff*")
