@@ -138,8 +138,9 @@ def _made_in_ranks(item: pytest.Function) -> dict[str, tuple[Any, str]]:
             return seen[(name, depth)]
         seen[(name, depth)] = None  # pytest refuses cycles; this only stops a walk over one
         chain = defs.get(name, ())
-        if name in PER_RANK or depth >= len(chain):
-            answer = name if name in PER_RANK else None
+        per_rank = name in PER_RANK and (depth >= len(chain) or is_builtin(chain[-1 - depth]))
+        if per_rank or depth >= len(chain):
+            answer = name if per_rank else None
         else:
             fixturedef = chain[-1 - depth]
             answer = next(
@@ -157,6 +158,15 @@ def _made_in_ranks(item: pytest.Function) -> dict[str, tuple[Any, str]]:
         _cache.clear()
     _cache[id(info)] = (info, found)
     return found
+
+
+def is_builtin(fixturedef: Any) -> bool:
+    """Whether a fixture definition is the harness's or pytest's own (not a project's own
+    fixture of the same name, such as a `device` fixture parametrized over devices)."""
+    if fixturedef is None:  # no definition to tell by: the name's own meaning
+        return True
+    module = getattr(fixturedef.func, "__module__", "") or ""
+    return module.startswith(("harness.", "_pytest."))
 
 
 def _depth(arg: str, name: str, depth: int) -> int:

@@ -265,7 +265,14 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
         from _pytest.logging import get_log_level_for_setting
 
         return get_log_level_for_setting(item.config, "log_level")
-    return None if name in RANK_SIDE_FIXTURES else item.funcargs[name]
+    if name in RANK_SIDE_FIXTURES and rank_made.is_builtin(_active_def(item, name)):
+        return None  # the rank makes its own
+    return item.funcargs[name]  # a project's own fixture, even one named `device`
+
+
+def _active_def(item: pytest.Function, name: str) -> Any:
+    chain = item._fixtureinfo.name2fixturedefs.get(name, ())
+    return chain[-1] if chain else None
 
 
 def request_info(item: pytest.Function) -> RequestInfo:

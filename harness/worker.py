@@ -537,13 +537,14 @@ def _run_target(
 
 
 def _rank_side_values(task: RunTask, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Fill the fixtures only a rank can know, where the test asked for them."""
+    """Fill the fixtures only a rank can know, where the test asked for them and the pytest
+    process left them to the rank (None: a project's own `device` fixture has a value)."""
     known: dict[str, Callable[[], Any]] = {
         "rank": lambda: task.rank,
         "world_size": lambda: task.spec.world_size,
         "device": lambda: torch.device(task.device),
     }
-    return {name: make() for name, make in known.items() if name in kwargs}
+    return {name: make() for name, make in known.items() if name in kwargs and kwargs[name] is None}
 
 
 def _raised(task: RunTask, exc: BaseException, note: str = "") -> RankOutcome:

@@ -755,3 +755,32 @@ def test_verbose_runs_show_a_ranks_full_assertion_diff(inner: pytest.Pytester) -
     loud = inner.runpytest("-p", "harness", "-vv")
     loud.stdout.fnmatch_lines(["*Full diff:*"])
     loud.stdout.no_fnmatch_line("*Use -v to get more diff*")
+
+
+def test_a_projects_own_device_fixture_is_not_replaced_by_the_ranks(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makeconftest(
+        """
+        import pytest, torch
+
+        @pytest.fixture(params=["cpu", "meta"])
+        def device(request):
+            return torch.device(request.param)
+
+        @pytest.fixture
+        def weights(device):
+            return torch.zeros(2, device=device)
+        """
+    )
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_on(device, weights, request):
+            wanted = request.node.name.split("[")[1].split("-")[0]
+            assert device.type == wanted and weights.device.type == wanted
+        """
+    )
+    inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=2)
