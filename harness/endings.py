@@ -105,7 +105,7 @@ def returned(key: str, rank: int, value: Any) -> RankOutcome:
     outcome = ended(key, rank, Ending.RETURNED)
     if value is None:
         return outcome
-    outcome.value_repr = _safe_repr(value)
+    outcome.value_repr = safe_repr(value)
     try:
         outcome.value_blob = pickle.dumps(value)
     except Exception as exc:
@@ -133,7 +133,8 @@ def refuse_awaitable(value: Any) -> None:
     async_fail("")  # raises pytest's Failed with pytest's own message
 
 
-def _safe_repr(value: Any) -> str:
+def safe_repr(value: Any) -> str:
+    """repr(value), its first 500 characters, or its type's name when repr fails."""
     try:
         return repr(value)[:500]
     except Exception:

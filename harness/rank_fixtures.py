@@ -14,11 +14,10 @@ import contextlib
 import copy
 import functools
 import importlib
-import importlib.util
 import inspect
 import os
-import sys
 import types
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,8 @@ class RankNode:
         return f"<RankNode {self.nodeid}>"
 
 
+# Loads a module from its file under a given name: (name, file) -> the module.
+LoadModule = Callable[[str, str], types.ModuleType]
 _UNSET = object()  # getoption without a default: an unknown option raises, as in pytest
 
 
@@ -148,10 +149,13 @@ class RankFixtures:
         }
         return {name: make(sent[name]) for name, make in makers.items() if name in sent}
 
-    def make_fixtures(self, plan: FixturePlan, made: dict[str, Any], holder: object) -> None:
+    def make_fixtures(
+        self, plan: FixturePlan, made: dict[str, Any], holder: object, load: LoadModule
+    ) -> None:
         """Call the fixtures of `plan` in order, each with values from `made` (the test's
         arguments and the plan's values, rank-side ones made), adding each to `made`.
-        `holder` is the test's class instance, for fixtures defined in its class."""
+        `holder` is the test's class instance, for fixtures defined in its class; `load`
+        loads a module from its file (the worker's, as it loads test modules)."""
         for recipe in plan.recipes:
             kwargs = {
                 param: self._request.for_fixture(recipe)
@@ -159,7 +163,8 @@ class RankFixtures:
                 else made[key]
                 for param, key in recipe.args
             }
-            made[recipe.key] = self._call(recipe, _fixture_function(recipe, holder), kwargs)
+            function = _fixture_function(recipe, holder, load)
+            made[recipe.key] = self._call(recipe, function, kwargs)
 
     def _call(self, recipe: FixtureRecipe, function: Callable[..., Any], kwargs: Any) -> Any:
         if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
@@ -236,10 +241,12 @@ def _finish(name: str, generator: Any) -> None:
     pytest.fail(f"fixture {name!r} has more than one 'yield'", pytrace=False)
 
 
-def _fixture_function(recipe: FixtureRecipe, holder: object) -> Callable[..., Any]:
+def _fixture_function(
+    recipe: FixtureRecipe, holder: object, load: LoadModule
+) -> Callable[..., Any]:
     """The function of a fixture the rank makes, found by name; bound to the test's class
     instance when the fixture is a method of its class (a new instance for another class)."""
-    found: Any = _fixture_module(recipe)
+    found: Any = _fixture_module(recipe, load)
     parts = recipe.qualname.split(".")
     for part in parts[:-1]:
         found = getattr(found, part)
@@ -250,38 +257,19 @@ def _fixture_function(recipe: FixtureRecipe, holder: object) -> Callable[..., An
     return function
 
 
-def _fixture_module(recipe: FixtureRecipe) -> types.ModuleType:
+def _fixture_module(recipe: FixtureRecipe, load: LoadModule) -> types.ModuleType:
     """The module the fixture's function lives in: by name, unless that name holds another
-    file (two conftest.py outside packages are both "conftest"), then that file's own."""
+    file (two conftest.py outside packages are both "conftest"), then that file's own,
+    loaded by `load` under a name of its own."""
     module = importlib.import_module(recipe.module)
     here = getattr(module, "__file__", None)
     if recipe.file is None or (here is not None and _same_path(here, recipe.file)):
         return module
-    return _module_of_file(recipe.file)
+    return load(f"_harness_fixtures_{zlib.crc32(recipe.file.encode()):08x}", recipe.file)
 
 
 def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-_by_file: dict[str, tuple[int, types.ModuleType]] = {}
-
-
-def _module_of_file(file: str) -> types.ModuleType:
-    """`file` loaded apart, under a name of its own, once per version of the file."""
-    stamp = os.stat(file).st_mtime_ns
-    known = _by_file.get(file)
-    if known is not None and known[0] == stamp:
-        return known[1]
-    name = f"_harness_fixtures_{len(_by_file)}_{os.path.basename(file).removesuffix('.py')}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the fixtures of {file} in a rank")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    _by_file[file] = (stamp, module)
-    return module
 
 
 def _unwrapped(obj: Any) -> Any:

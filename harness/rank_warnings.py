@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from harness import endings
 from harness.outcome import RankOutcome, RankWarning, ranks_phrase
 from harness.protocol import WarningFilters
 
@@ -130,7 +131,7 @@ class StrayExceptions:
         self._add("PytestUnhandledThreadExceptionWarning", f"Exception in thread {name}", args)
 
     def unraisable(self, args: Any) -> None:
-        said = f"{args.err_msg or 'Exception ignored in'}: {_safe_repr(args.object)}"
+        said = f"{args.err_msg or 'Exception ignored in'}: {endings.safe_repr(args.object)}"
         self._add("PytestUnraisableExceptionWarning", said, args)
 
     def _add(self, category: str, said: str, args: Any) -> None:
@@ -144,13 +145,6 @@ class StrayExceptions:
         found, self.texts = self.texts, []
         for category, text in found:
             warnings.warn(category(text), stacklevel=1)
-
-
-def _safe_repr(value: object) -> str:
-    try:
-        return repr(value)
-    except Exception:
-        return f"<{type(value).__name__}>"
 
 
 @contextlib.contextmanager

@@ -506,7 +506,7 @@ def _run_target(
         made.update(_rank_side_values(task, made))
         made.update(fixtures.make(made))
         if plan is not None:
-            fixtures.make_fixtures(plan, made, getattr(fn, "__self__", None))
+            fixtures.make_fixtures(plan, made, getattr(fn, "__self__", None), _load_module)
             kwargs = {name: made[name] for name in kwargs}
         injector.at_start()
         value = fn(*args, **kwargs)
