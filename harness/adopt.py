@@ -34,7 +34,7 @@ from harness import adopt_rank, rank_warnings, runner
 from harness.errors import SpecError
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
-from harness.settings import settings_of, timeout_for
+from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
 
 TORCH_BASES = "torch.testing._internal.common_distributed"
 # The base's own parts the adapter replaces or relies on: a class that overrides one of the
@@ -91,27 +91,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _kind(item) is None:
             continue
         with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
-            item.stash[_timeout_key] = _torchs_timeout(item) or timeout_for(
-                settings, None, "", item
-            )
+            torchs = _torchs_timeout(item)
+            item.stash[_timeout_key] = timeout_for(settings, None, "", item, torchs)
         if item.get_closest_marker("timeout") is not None or settings.pytest_timeout_s:
             item.add_marker(pytest.mark.timeout(0), append=False)
 
 
-def _torchs_timeout(item: pytest.Item) -> float | None:
-    """torch's own bound for the test (TIMEOUT_OVERRIDE by test name, else TIMEOUT_DEFAULT),
-    where the session names none of its own (a timeout marker, --rank-timeout,
-    pytest-timeout): an adopted suite keeps the time its tests were written for."""
-    settings = settings_of(item.config)
-    if item.get_closest_marker("timeout") is not None or settings.rank_timeout_s is not None:
-        return None
-    if settings.pytest_timeout_s is not None:
-        return None
+def _torchs_timeout(item: pytest.Item) -> float:
+    """torch's own bound for the test (TIMEOUT_OVERRIDE by test name, else TIMEOUT_DEFAULT):
+    the default when the session names none of its own, so an adopted suite keeps the time
+    its tests were written for (the harness's default where torch has none)."""
     torch_bases = sys.modules.get(TORCH_BASES)
     default = getattr(torch_bases, "TIMEOUT_DEFAULT", None)
     overrides = getattr(torch_bases, "TIMEOUT_OVERRIDE", {})
     bound = overrides.get(item.name, default) if isinstance(overrides, dict) else default
-    return float(bound) if isinstance(bound, int | float) and bound > 0 else None
+    return float(bound) if isinstance(bound, int | float) and bound > 0 else DEFAULT_TIMEOUT_S
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -221,13 +221,17 @@ def _flag(name: str, mark: pytest.Mark, origin: str) -> bool:
 
 
 def timeout_for(
-    settings: Settings, own: Any, own_origin: str, node: pytest.Item | None = None
+    settings: Settings,
+    own: Any,
+    own_origin: str,
+    node: pytest.Item | None = None,
+    default: float = DEFAULT_TIMEOUT_S,
 ) -> float:
     """A run's bound, the same for markers and run_on_ranks.
 
     First the run's own value (the ranks marker's ``timeout=``, or ``run_on_ranks(timeout=)``),
     then pytest-timeout's marker on the test, ``--rank-timeout`` (or its ini key),
-    pytest-timeout's session timeout, and last the default of 60 s.
+    pytest-timeout's session timeout, and last `default` (60 s; an adopted suite's own).
     """
     if own is not None:
         return _seconds(own, own_origin)
@@ -240,7 +244,7 @@ def timeout_for(
         return settings.rank_timeout_s
     if settings.pytest_timeout_s is not None:
         return settings.pytest_timeout_s
-    return DEFAULT_TIMEOUT_S
+    return default
 
 
 # ---- a test's spec from its markers -------------------------------------------------------
