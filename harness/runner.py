@@ -231,7 +231,7 @@ def _dependency(item: pytest.Function, name: str, depth: int) -> Any:
     and beyond, the definition an override requests by its own name."""
     if depth == 0:
         return _sent_value(item, name)
-    fixturedef = item._fixtureinfo.name2fixturedefs[name][-1 - depth]
+    fixturedef = _definition(item, name, depth)
     return fixturedef.cached_result[0] if fixturedef.cached_result is not None else None
 
 
@@ -265,14 +265,16 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
         from _pytest.logging import get_log_level_for_setting
 
         return get_log_level_for_setting(item.config, "log_level")
-    if name in RANK_SIDE_FIXTURES and rank_made.is_builtin(_active_def(item, name)):
+    if name in RANK_SIDE_FIXTURES and rank_made.is_builtin(_definition(item, name)):
         return None  # the rank makes its own
     return item.funcargs[name]  # a project's own fixture, even one named `device`
 
 
-def _active_def(item: pytest.Function, name: str) -> Any:
+def _definition(item: pytest.Function, name: str, depth: int = 0) -> Any:
+    """The fixture definition `name` means for `item` (depth 0), or the one an override at
+    depth - 1 requests by its own name; None where pytest has none (a pseudo-fixture)."""
     chain = item._fixtureinfo.name2fixturedefs.get(name, ())
-    return chain[-1] if chain else None
+    return chain[-1 - depth] if depth < len(chain) else None
 
 
 def request_info(item: pytest.Function) -> RequestInfo:
