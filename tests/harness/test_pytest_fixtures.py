@@ -740,7 +740,13 @@ def test_options_by_flag_and_rank_values_used_in_the_pytest_process_say_so(
     )
 
 
-def test_verbose_runs_show_a_ranks_full_assertion_diff(inner: pytest.Pytester) -> None:
+def test_verbose_runs_show_a_ranks_full_assertion_diff(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pytest never shortens diffs on CI (CI or BUILD_NUMBER set): clear both so the
+    # quiet run shortens here and on CI alike; the ranks inherit this environment.
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
     inner.makepyfile(
         """
         import pytest
