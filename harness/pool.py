@@ -97,7 +97,7 @@ class _Slot:
         self.process = ctx.Process(
             target=worker.main, args=(child, self.files), name=f"harness-rank{rank}"
         )
-        with _main_module_hidden():
+        with _main_module_hidden(), _default_start_method_kept():
             self.process.start()
         child.close()
         self.pid: int = self.process.pid
@@ -138,6 +138,22 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         main.__dict__.update(saved)
+
+
+@contextlib.contextmanager
+def _default_start_method_kept() -> Iterator[None]:
+    """Start a rank without fixing this process's default start method.
+
+    CPython reads the default start method while preparing a forkserver or spawn child,
+    which fixes it when nothing had: a later test's own ``multiprocessing.set_start_method``
+    would then raise "context has already been set".
+    """
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if before is None:
+            multiprocessing.set_start_method(None, force=True)  # back to unset
 
 
 def tail(path: Path) -> str:

@@ -790,3 +790,32 @@ def test_a_projects_own_device_fixture_is_not_replaced_by_the_ranks(
         """
     )
     inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=2)
+
+
+def test_starting_ranks_leaves_multiprocessing_default_start_method_unset(
+    inner: pytest.Pytester,
+) -> None:
+    # CPython sets the default start method as a side effect of starting a forkserver or
+    # spawn child; a later plain test's own mp.set_start_method then raised.
+    import multiprocessing
+
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(None, force=True)
+    inner.makepyfile(
+        """
+        import multiprocessing, pytest
+
+        @pytest.mark.ranks(2)
+        def test_on_ranks(rank):
+            pass
+
+        def test_plain_sets_its_start_method():
+            assert multiprocessing.get_start_method(allow_none=True) is None
+            multiprocessing.set_start_method("spawn")
+            multiprocessing.set_start_method(None, force=True)
+        """
+    )
+    try:
+        inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+    finally:
+        multiprocessing.set_start_method(saved, force=True)
