@@ -82,6 +82,7 @@ class RankOutcome:
     where: str = ""  # the labelled collective a hung rank was in, when known
     stdout: str = ""  # what the rank wrote to fd 1 during the run (its tail, if long)
     stderr: str = ""  # what it wrote to fd 2
+    log: str = ""  # the log records it captured (RankSpec.log_capture), formatted
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
@@ -348,7 +349,7 @@ def render_report(
         if o.stack:
             lines.append("-- Python stacks at the deadline --")
             lines.append(o.stack.rstrip())
-        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
+        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
             if text.strip():
                 lines.append(f"-- rank {r} captured {stream} --")
                 lines.append(text.rstrip())

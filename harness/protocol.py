@@ -92,6 +92,17 @@ class WarningFilters:
 
 
 @dataclass(frozen=True)
+class LogCapture:
+    """How pytest captures a test's log records for its report (log_level, log_format, ...),
+    for the ranks to capture theirs the same way."""
+
+    level: int | None  # None: the loggers' own levels decide, as in pytest
+    fmt: str
+    datefmt: str | None
+    auto_indent: Any  # pytest's log_auto_indent, as given
+
+
+@dataclass(frozen=True)
 class RequestInfo:
     """What a test's ``request`` can tell a rank: a snapshot taken in the pytest process."""
 
@@ -129,6 +140,7 @@ class RankSpec:
     threads: int | None = None  # torch intra-op threads per rank; None: torch's own
     fresh_group: bool = False  # never run on a group kept from an earlier test
     assert_verbosity: int = 0  # pytest's -v for the diffs of the body's failed asserts
+    log_capture: LogCapture | None = None  # None: the rank's records go where logging sends them
 
     @property
     def keeps_group(self) -> bool:

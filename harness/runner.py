@@ -354,10 +354,10 @@ def _unsendable(item: pytest.Function, values: dict[str, Any], what: str = "") -
 
 
 def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
-    """Every rank's output on the report, one section per rank and stream, as pytest keeps a
-    plain test's (-rP, -rA, junit xml), passing or not."""
+    """Every rank's output and log on the report, one section per rank and stream, as pytest
+    keeps a plain test's (-rP, -rA, junit xml), passing or not."""
     for o in outcomes:
-        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
+        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
             if text:
                 item.add_report_section("call", f"{stream} [rank {o.rank}]", text)
 

@@ -21,7 +21,14 @@ from harness import faults as fault_specs
 from harness import hygiene, launch_detect, rank_warnings
 from harness.errors import SpecError, invalid
 from harness.launch_detect import Launch
-from harness.protocol import BACKENDS, START_METHODS, Backend, RankSpec, StartMethod
+from harness.protocol import (
+    BACKENDS,
+    START_METHODS,
+    Backend,
+    LogCapture,
+    RankSpec,
+    StartMethod,
+)
 
 DEFAULT_RANKS = 2
 DEFAULT_TIMEOUT_S = 60.0
@@ -61,6 +68,7 @@ class Settings:
     adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
     launched: Launch | None = None  # torchrun started this process as one rank of a job
     assert_verbosity: int = 0  # -v / verbosity_assertions: how much an assert diff shows
+    log_capture: LogCapture | None = None  # how pytest captures log records; None: it does not
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -106,11 +114,27 @@ def configure(config: pytest.Config) -> Settings:
             adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
             launched=launched,
             assert_verbosity=_assert_verbosity(config),
+            log_capture=_log_capture(config),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_settings_key] = settings
     return settings
+
+
+def _log_capture(config: pytest.Config) -> LogCapture | None:
+    """pytest's log capture settings, for ranks to capture as a plain test would; None when
+    its logging plugin is off (-p no:logging)."""
+    if not config.pluginmanager.has_plugin("logging"):
+        return None
+    from _pytest.logging import get_log_level_for_setting, get_option_ini
+
+    return LogCapture(
+        level=get_log_level_for_setting(config, "log_level"),
+        fmt=get_option_ini(config, "log_format"),
+        datefmt=get_option_ini(config, "log_date_format"),
+        auto_indent=get_option_ini(config, "log_auto_indent"),
+    )
 
 
 def _default_backend(launched: Launch | None) -> Backend:
@@ -292,6 +316,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         warning_filters=rank_warnings.filters_for(item.config, item),
         threads=settings.threads_for(world_size),
         assert_verbosity=settings.assert_verbosity,
+        log_capture=settings.log_capture,
     )
 
 

@@ -43,6 +43,7 @@ from harness import (
     group_release,
     hygiene,
     kept_group,
+    rank_logs,
     rank_state,
     rank_warnings,
     reaper,
@@ -236,7 +237,10 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
         before = hygiene.snapshot()
-        with rank_warnings.recording(task.spec.warning_filters) as log:
+        with (
+            rank_warnings.recording(task.spec.warning_filters) as log,
+            rank_logs.capturing(task.spec.log_capture) as logged,
+        ):
             call = _prepare_call(task)
             with (
                 Injector(task.rank, call.faults).installed() as injector,
@@ -244,6 +248,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
             ):
                 outcome = _run_target(task, call, injector, stray)
         outcome.warnings = rank_warnings.collected(log)
+        outcome.log = logged()
         group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them

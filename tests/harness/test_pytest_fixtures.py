@@ -819,3 +819,54 @@ def test_starting_ranks_leaves_multiprocessing_default_start_method_unset(
         inner.runpytest("-p", "harness").assert_outcomes(passed=2)
     finally:
         multiprocessing.set_start_method(saved, force=True)
+
+
+def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\nrank_timeout = 30\nlog_level = INFO\n")
+    inner.makepyfile(
+        """
+        import logging, pytest
+
+        @pytest.mark.ranks(2)
+        def test_logs(rank):
+            logging.getLogger("train").info("step on rank %d", rank)
+            logging.getLogger("train").warning("careful on rank %d", rank)
+            logging.getLogger("torch.distributed").warning("torch says %d", rank)
+            assert rank == 0
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-o", "log_format=%(levelname)s %(message)s")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*Captured log [[]rank 0[]] call*",
+            "INFO step on rank 0",
+            "WARNING careful on rank 0",
+            "WARNING torch says 0",  # a logger that does not propagate, as pytest does
+            "*Captured log [[]rank 1[]] call*",
+            "INFO step on rank 1",
+            "WARNING careful on rank 1",
+        ]
+    )
+    # Captured, as pytest captures a plain test's: no longer on a rank's stderr (torch's
+    # own handler still writes there, as in a plain test).
+    stderr = result.stdout.str().split("Captured stderr [rank 1] call")[1].split("Captured")[0]
+    assert "torch says 1" in stderr and "careful" not in stderr
+
+
+def test_without_pytests_logging_plugin_a_ranks_records_stay_on_its_stderr(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import logging, pytest
+
+        @pytest.mark.ranks(2)
+        def test_logs(rank):
+            logging.getLogger("train").warning("careful on rank %d", rank)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-p", "no:logging", "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*Captured stderr [[]rank 1[]] call*", "careful on rank 1"])
+    result.stdout.no_fnmatch_line("*Captured log*")
