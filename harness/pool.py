@@ -187,12 +187,17 @@ class LiveOutput:
         self._partial = {path: b"" for _, path in self._files}
         self._started = False
 
-    def drain(self) -> None:
+    def drain(self, final: bool = False) -> None:
+        """Echo the complete lines written since the last drain; `final`: the run is over,
+        so a last line without its newline goes too."""
         if not self.enabled:
             return
         for rank, path in self._files:
             data = self._partial[path] + self._read_new(path)
             *lines, self._partial[path] = data.split(b"\n")
+            if final and self._partial[path]:
+                lines.append(self._partial[path])
+                self._partial[path] = b""
             for line in lines:
                 if not self._started:  # off pytest's progress line, onto one of its own
                     sys.stdout.write("\n")
@@ -329,7 +334,7 @@ class _Run:
             self._wait_once(min(remaining, self._poll_s()))
             self._live.drain()
             self._drop_kept_groups_if_peers_lag()
-        self._live.drain()
+        self._live.drain(final=True)
         for slot in self.slots:
             self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
             self.outcomes[slot.rank].stderr = tail(slot.files.stderr)

@@ -870,3 +870,23 @@ def test_without_pytests_logging_plugin_a_ranks_records_stay_on_its_stderr(
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*Captured stderr [[]rank 1[]] call*", "careful on rank 1"])
     result.stdout.no_fnmatch_line("*Captured log*")
+
+
+def test_dash_s_shows_a_ranks_last_line_even_without_its_newline(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest, sys
+
+        @pytest.mark.ranks(2)
+        def test_talks(rank):
+            print(f"step 1 on {rank}")
+            print(f"almost done on {rank}", end="", flush=True)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines_random(
+        ["[[]rank 0[]] step 1 on 0", "[[]rank 1[]] almost done on 1*"]
+    )
