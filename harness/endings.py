@@ -13,7 +13,7 @@ import pickle
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, TypeAlias
 
 from harness.outcome import Ending, RankOutcome, exit_code
 
@@ -21,6 +21,10 @@ from harness.outcome import Ending, RankOutcome, exit_code
 # names, a quick first test before the classes themselves are checked.
 PYTEST_OUTCOMES = {"Skipped": Ending.SKIPPED, "XFailed": Ending.XFAILED}
 _OWN_FILES: set[str] = {__file__}
+# pytest's --showlocals for a rank's tracebacks: the longest repr of a local kept (0: whole),
+# or None to show no locals.
+LocalsShown: TypeAlias = int | None
+SHORT_LOCALS = 240  # pytest's own cut, below -vv
 
 
 def skip_frames_of(file: str) -> None:
@@ -32,17 +36,19 @@ def ended(key: str, rank: int, ending: Ending, **fields: Any) -> RankOutcome:
     return RankOutcome(key, rank, os.getpid(), ending, at=time.monotonic(), **fields)
 
 
-def ended_by(key: str, rank: int, exc: BaseException) -> RankOutcome:
+def ended_by(
+    key: str, rank: int, exc: BaseException, show_locals: LocalsShown = None
+) -> RankOutcome:
     """The outcome of a body that raised `exc` (an error, sys.exit, pytest.skip or xfail)."""
     if isinstance(exc, SystemExit):
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
         outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
-        outcome.traceback = user_traceback(exc)  # where it was called
+        outcome.traceback = user_traceback(exc, show_locals)  # where it was called
     elif (ending := _pytest_outcome(exc)) is not None:
         return ended(key, rank, ending, message=text_of(getattr(exc, "msg", exc)))
     else:
-        outcome = raised(key, rank, exc)
+        outcome = raised(key, rank, exc, show_locals=show_locals)
         returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
         if type(exc).__name__ == "Exit" and isinstance(returncode, int):
             outcome.exit_code = returncode
@@ -76,7 +82,9 @@ def text_of(value: object) -> str:
         return f"<str() of {type(value).__name__} raised {type(exc).__name__}>"
 
 
-def raised(key: str, rank: int, exc: BaseException, note: str = "") -> RankOutcome:
+def raised(
+    key: str, rank: int, exc: BaseException, note: str = "", show_locals: LocalsShown = None
+) -> RankOutcome:
     outcome = ended(
         key,
         rank,
@@ -85,7 +93,7 @@ def raised(key: str, rank: int, exc: BaseException, note: str = "") -> RankOutco
         exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
         exc_classes=tuple(qualified_name(cls) for cls in type(exc).__mro__),
         message=text_of(exc),
-        traceback=user_traceback(exc),
+        traceback=user_traceback(exc, show_locals),
     )
     if note:
         outcome.notes.append(note)
@@ -114,12 +122,31 @@ def returned(key: str, rank: int, value: Any) -> RankOutcome:
     return outcome
 
 
-def user_traceback(exc: BaseException) -> str:
-    """The traceback text from the first frame that is not the harness's own."""
+def user_traceback(exc: BaseException, show_locals: LocalsShown = None) -> str:
+    """The traceback text from the first frame that is not the harness's own; with
+    `show_locals` (pytest's --showlocals: the longest repr kept, None for no locals), each
+    frame's local variables under it."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
         tb = tb.tb_next  # the report starts in the user's code, not in ours
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    shown = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    if show_locals is not None:
+        frames = [frame for frame, _ in traceback.walk_tb(tb)]
+        for summary, frame in zip(shown.stack, frames, strict=False):
+            summary.locals = _locals_text(frame.f_locals, show_locals)
+    return "".join(shown.format())
+
+
+def _locals_text(variables: dict[str, Any], size: int) -> dict[str, str]:
+    """A frame's locals as pytest shows them: sorted, cut to `size` (0: whole), less the
+    helpers assertion rewriting adds (their names start with '@')."""
+    from _pytest._io.saferepr import saferepr
+
+    return {
+        name: saferepr(variables[name], maxsize=size or None)
+        for name in sorted(variables)
+        if not name.startswith("@")
+    }
 
 
 def refuse_awaitable(value: Any) -> None:

@@ -192,7 +192,7 @@ def _run_here(
         rank_warnings.recording(spec.warning_filters) as log,
         Injector(session.rank, spec.faults_on(session.rank)).installed() as injector,
     ):
-        outcome = _body(key, session.rank, call, injector)
+        outcome = _body(key, session.rank, call, injector, spec.show_locals)
     outcome.warnings = rank_warnings.collected(log)
     outcome.stdout, outcome.stderr = _captured(item.config)
     group_ok = spec.launch or session.has_group()
@@ -207,7 +207,9 @@ def _run_here(
     return outcome, group_ok
 
 
-def _body(key: str, rank: int, call: Callable[[], Any], injector: Injector) -> RankOutcome:
+def _body(
+    key: str, rank: int, call: Callable[[], Any], injector: Injector, show_locals: int | None
+) -> RankOutcome:
     try:
         injector.at_start()
         value = call()
@@ -215,7 +217,7 @@ def _body(key: str, rank: int, call: Callable[[], Any], injector: Injector) -> R
     except (KeyboardInterrupt, Exit):
         raise  # pytest's own ways to stop the session
     except BaseException as exc:
-        outcome = endings.ended_by(key, rank, exc)
+        outcome = endings.ended_by(key, rank, exc, show_locals)
         endings.release(exc)
         return outcome
     missed = injector.unreached()

@@ -141,6 +141,7 @@ class RankSpec:
     fresh_group: bool = False  # never run on a group kept from an earlier test
     assert_verbosity: int = 0  # pytest's -v for the diffs of the body's failed asserts
     log_capture: LogCapture | None = None  # None: the rank's records go where logging sends them
+    show_locals: int | None = None  # --showlocals: longest repr of a local (0: whole); None: off
 
     @property
     def keeps_group(self) -> bool:

@@ -19,6 +19,7 @@ import pytest
 from harness import expect as expectations
 from harness import faults as fault_specs
 from harness import hygiene, launch_detect, rank_warnings
+from harness.endings import SHORT_LOCALS
 from harness.errors import SpecError, invalid
 from harness.launch_detect import Launch
 from harness.protocol import (
@@ -69,6 +70,7 @@ class Settings:
     launched: Launch | None = None  # torchrun started this process as one rank of a job
     assert_verbosity: int = 0  # -v / verbosity_assertions: how much an assert diff shows
     log_capture: LogCapture | None = None  # how pytest captures log records; None: it does not
+    show_locals: int | None = None  # --showlocals in rank tracebacks (see endings.LocalsShown)
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -115,11 +117,22 @@ def configure(config: pytest.Config) -> Settings:
             launched=launched,
             assert_verbosity=_assert_verbosity(config),
             log_capture=_log_capture(config),
+            show_locals=_show_locals(config),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_settings_key] = settings
     return settings
+
+
+def _show_locals(config: pytest.Config) -> int | None:
+    """pytest's --showlocals for a rank's tracebacks: reprs cut as pytest cuts them (whole
+    from -vv on), or None when off."""
+    if not config.getoption("showlocals", False):
+        return None
+    get = getattr(config, "get_verbosity", None)
+    verbosity = int(get()) if get is not None else int(config.getoption("verbose", 0) or 0)
+    return 0 if verbosity > 1 else SHORT_LOCALS
 
 
 def _log_capture(config: pytest.Config) -> LogCapture | None:
@@ -317,6 +330,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         threads=settings.threads_for(world_size),
         assert_verbosity=settings.assert_verbosity,
         log_capture=settings.log_capture,
+        show_locals=settings.show_locals,
     )
 
 
@@ -399,4 +413,5 @@ def spec_for_call(
         threads=settings.threads_for(size),
         fresh_group=settings.fresh_group,
         assert_verbosity=settings.assert_verbosity,
+        show_locals=settings.show_locals,
     )

@@ -519,9 +519,8 @@ def _run_target(
         fixtures.close()  # finalizers and undoing, in the rank: an error there fails it
         stray.warn()  # exceptions in its threads or __del__, as pytest warns of them
     except BaseException as exc:
-        outcome = endings.ended_by(
-            task.key, task.rank, exc
-        )  # the traceback text, before its frames are cleared
+        # The traceback text, before its frames are cleared.
+        outcome = endings.ended_by(task.key, task.rank, exc, task.spec.show_locals)
         endings.release(exc)
         del exc, args, kwargs, made, call
         # Peers blocked on us fail now instead of at their timeout, and so does a fixture's

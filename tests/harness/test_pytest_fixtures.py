@@ -890,3 +890,26 @@ def test_dash_s_shows_a_ranks_last_line_even_without_its_newline(
     result.stdout.fnmatch_lines_random(
         ["[[]rank 0[]] step 1 on 0", "[[]rank 1[]] almost done on 1*"]
     )
+
+
+def test_showlocals_adds_a_ranks_locals_to_its_traceback(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_locals(rank):
+            shard = f"shard-{rank}"
+            big = "x" * 1000
+            assert rank == 0
+        """
+    )
+    plain = inner.runpytest("-p", "harness")
+    plain.stdout.no_fnmatch_line("*shard = 'shard-1'*")
+    result = inner.runpytest("-p", "harness", "-l")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1*root cause*", "*rank = 1", "*shard = 'shard-1'"])
+    assert max(len(line) for line in result.stdout.lines if "big = " in line) < 300  # cut
+    result.stdout.no_fnmatch_line("*@py_assert*")  # assertion rewriting's helpers hidden
+    whole = inner.runpytest("-p", "harness", "-l", "-vv")
+    assert any("x" * 1000 in line for line in whole.stdout.lines)
