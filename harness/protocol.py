@@ -116,6 +116,7 @@ class RequestInfo:
     has_param: bool = False
     param: Any = None
     flags: dict[str, str] = field(default_factory=dict)  # "--big" -> its option's dest
+    path: str = ""  # the test's file
 
 
 def device_for(backend: Backend, rank: int) -> str:

@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 import types
 import zlib
 from collections.abc import Callable, Iterator
@@ -90,8 +91,21 @@ class RankRequest:
         self.fixturenames = list(info.fixturenames)
         self.keywords = self.node.keywords
         self.fixturename: str | None = None
+        self.scope = "function"  # a rank makes its fixtures for each test
+        self.path = Path(info.path)
+        self.function: Any = None  # the test's, once bound (see bind)
+        self.instance: Any = None
+        self.cls: type | None = None
+        self.module: types.ModuleType | None = None
         self._param, self._has_param = info.param, info.has_param
         self._on_teardown = on_teardown
+
+    def bind(self, test: Callable[..., Any]) -> None:
+        """Name the test function as this rank loaded it (a method bound to its instance)."""
+        self.instance = getattr(test, "__self__", None)
+        self.function = getattr(test, "__func__", test)
+        self.cls = type(self.instance) if self.instance is not None else None
+        self.module = sys.modules.get(getattr(self.function, "__module__", ""))
 
     @property
     def param(self) -> Any:
@@ -130,6 +144,11 @@ class RankFixtures:
         self._rank = rank
         self._stack = contextlib.ExitStack()
         self._request = RankRequest(info, self._stack.callback) if info is not None else None
+
+    def bind(self, test: Callable[..., Any]) -> None:
+        """The test function the fixtures are made for: its request names it."""
+        if self._request is not None:
+            self._request.bind(test)
 
     def make(self, sent: dict[str, Any]) -> dict[str, Any]:
         """Values for the rank-side fixtures among `sent` (the pytest side's values)."""

@@ -293,6 +293,7 @@ def request_info(item: pytest.Function) -> RequestInfo:
         has_param=hasattr(request, "param"),
         param=getattr(request, "param", None),
         flags=_picklable_once(config, "flags", dict(getattr(config._parser, "_opt2dest", {}))),
+        path=str(item.path),
     )
 
 

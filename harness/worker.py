@@ -507,6 +507,7 @@ def _run_target(
     made = kwargs if plan is None else {**plan.values, **kwargs}  # every fixture's value
     info = made.get("request")
     fixtures = RankFixtures(task.rank, info if isinstance(info, RequestInfo) else None)
+    fixtures.bind(fn)
     try:
         made.update(_rank_side_values(task, made))
         made.update(fixtures.make(made))

@@ -913,3 +913,33 @@ def test_showlocals_adds_a_ranks_locals_to_its_traceback(inner: pytest.Pytester)
     result.stdout.no_fnmatch_line("*@py_assert*")  # assertion rewriting's helpers hidden
     whole = inner.runpytest("-p", "harness", "-l", "-vv")
     assert any("x" * 1000 in line for line in whole.stdout.lines)
+
+
+def test_a_ranks_request_knows_its_path_module_class_function_and_scope(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        SETTING = "from the module"
+
+        @pytest.fixture
+        def seen(rank, request):
+            return (request.path.name, request.module.SETTING, request.cls, request.scope)
+
+        @pytest.mark.ranks(2)
+        def test_plain(rank, seen, request):
+            assert seen[0] == __file__.rsplit("/", 1)[1]
+            assert seen[1:] == ("from the module", None, "function")
+            assert request.function is test_plain and request.instance is None
+
+        class TestGroup:
+            @pytest.mark.ranks(2)
+            def test_in_class(self, rank, seen, request):
+                assert seen[2] is TestGroup and request.cls is TestGroup
+                assert request.instance is self
+                assert request.function is TestGroup.test_in_class
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
