@@ -59,10 +59,14 @@ def inner(pytester: pytest.Pytester) -> Iterator[pytest.Pytester]:
     """A pytester whose runs load the harness and never wait on a test for long.
 
     The inner runs share this process: what their parent-side code sets in the environment
-    (torch's test bases set WORLD_SIZE in setUp) is undone after the test.
+    (torch's test bases set WORLD_SIZE in setUp) is undone after the test. Their terminal
+    is 160 columns wide, whatever this one's.
     """
     pytester.makeini("[pytest]\nrank_timeout = 30\n")
     saved = dict(os.environ)
+    # pytest cuts the short summary's " - reason" to the terminal's width: a narrow terminal
+    # (COLUMNS below ~80 on a CI runner) would cut what the tests match.
+    os.environ["COLUMNS"] = "160"
     yield pytester
     os.environ.clear()
     os.environ.update(saved)

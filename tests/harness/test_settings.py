@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from harness.errors import SpecError
 from harness.expect import ExpectationError, Expected, Wanted
 from harness.outcome import Ending, RankOutcome
+from harness.protocol import LogCapture
 from harness.settings import (
     DEFAULT_TIMEOUT_S,
     Settings,
@@ -46,9 +49,24 @@ def test_the_command_line_wins_over_the_ini_and_values_are_checked_once(
 ) -> None:
     pytester.makeini("[pytest]\nranks = 3\nrank_timeout = 12\nrank_start_method = spawn\n")
     config = pytester.parseconfigure("-p", "harness", "--ranks", "5")
-    assert settings_of(config) == Settings(
-        ranks=5, rank_timeout_s=12.0, start_method="spawn", backend="gloo"
+    settings = settings_of(config)
+    assert settings == Settings(
+        ranks=5,
+        rank_timeout_s=12.0,
+        start_method="spawn",
+        backend="gloo",
+        log_capture=settings.log_capture,  # pytest's own settings: see the next test
     )
+
+
+def test_ranks_capture_logs_with_pytests_log_settings(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nlog_level = INFO\nlog_format = %(message)s\n")
+    config = pytester.parseconfigure("-p", "harness", "--log-date-format", "%H")
+    assert settings_of(config).log_capture == LogCapture(
+        level=logging.INFO, fmt="%(message)s", datefmt="%H", auto_indent=None
+    )
+    off = pytester.parseconfigure("-p", "harness", "-p", "no:logging")
+    assert settings_of(off).log_capture is None
 
 
 @pytest.mark.parametrize(
