@@ -11,10 +11,25 @@ torch does. Runs inside ranks; the threads are daemons, which hygiene leaves alo
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 import torch.distributed as dist
+
+
+def forget_failed_init() -> None:
+    """Free the group name an init_process_group that failed took, where no group is set up.
+
+    torch names each new group from a count kept per process, and a failed init counts too:
+    the next group here would take the next name, meet its peers under another store
+    prefix, and hang until its timeout. destroy_process_group resets the count the same way.
+    """
+    if dist.is_initialized():
+        return
+    world: Any = dist.distributed_c10d._world
+    with contextlib.suppress(Exception):
+        world.group_count = 0
 
 
 def destroy_all() -> None:

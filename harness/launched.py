@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import group_release
 from harness.launch_detect import Launch
 from harness.launched_store import Peers
 from harness.launched_watch import Watch
@@ -271,6 +272,8 @@ class LaunchedSession:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        else:  # a test's init that failed here only: the next group must take the same name
+            group_release.forget_failed_init()
         self._group = None
 
     # ---- outcomes and the end ------------------------------------------------------------

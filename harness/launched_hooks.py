@@ -6,6 +6,7 @@ torch are imported here only when a launch was detected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from harness.launch_detect import Launch
+from harness.outcome import ranks_phrase
 from harness.protocol import RankSpec
 from harness.settings import settings_of
 
@@ -133,7 +135,12 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     if launched is None or launched.peers is None:
         return
     launched.finishing()
-    mine = {"outcome": report.outcome, "text": report.longreprtext[-4000:]}
+    mine = {
+        "outcome": report.outcome,
+        "text": report.longreprtext[-4000:],
+        "xfail": getattr(report, "wasxfail", None),  # an xfail is reported as a skip
+        "reason": _skip_reason(report),
+    }
     found = launched.gather(f"{launched.test_key()}/plain", json.dumps(mine), PLAIN_WAIT_S)
     if launched.absent:
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
@@ -151,6 +158,39 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         report.outcome = "failed"
         here = f"it did not fail on rank {launched.rank}"
         report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
+        return
+    if report.outcome != "failed":
+        _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
+
+
+def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any]]) -> None:
+    """As for a ranks test: a skip on some ranks only fails the test on every rank (it ran
+    on the others), and an xfail on some ranks while the others passed xfails it."""
+    xfailed = sorted(r for r, o in outcomes.items() if o["xfail"] is not None)
+    skipped = sorted(
+        r for r, o in outcomes.items() if o["outcome"] == "skipped" and o["xfail"] is None
+    )
+    if skipped and len(skipped) < len(outcomes):
+        ran = sorted(set(outcomes) - set(skipped))
+        report.outcome = "failed"
+        with contextlib.suppress(AttributeError):
+            del report.wasxfail
+        report.longrepr = (
+            f"{ranks_phrase(skipped)} skipped this test ({outcomes[skipped[0]]['reason']}) "
+            f"while {ranks_phrase(ran)} ran it: skip on every rank or on none (decide from "
+            f"something every rank sees alike; to act on one rank, test the rank instead)"
+        )
+    elif xfailed and report.outcome == "passed":
+        report.outcome = "skipped"
+        report.wasxfail = outcomes[xfailed[0]]["xfail"]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """A skipped report's reason, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    if report.outcome != "skipped" or not isinstance(longrepr, tuple):
+        return ""
+    return str(longrepr[2]).removeprefix("Skipped: ")
 
 
 def run_call(

@@ -473,12 +473,8 @@ def _teardown_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             group_release.destroy_all()
-    else:  # an init_process_group that failed (a peer gone mid-connect) took a group name:
-        # the next group here would take the next one, meet its peers under another store
-        # prefix, and hang. destroy_process_group resets the count the same way.
-        world: Any = dist.distributed_c10d._world
-        with contextlib.suppress(Exception):
-            world.group_count = 0
+    else:  # an init_process_group that failed (a peer gone mid-connect) took a group name
+        group_release.forget_failed_init()
 
 
 @dataclass
