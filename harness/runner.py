@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 _pools_key = pytest.StashKey["Pools"]()
 _leftovers_key = pytest.StashKey[str]()
+# Set when a rank's fault never fired: the test is written wrong, which no xfail expects.
+_no_xfail_key = pytest.StashKey[bool]()
+FAULT_NOT_REACHED = "harness.faults.FaultNotReached"
 
 
 class RankLeftovers(Exception):
@@ -399,6 +402,8 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         raise HarnessError(set_up_failure_text(outcomes), pytrace=False)
     if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported at the test, not here
         raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
+    if any(o.exc_type == FAULT_NOT_REACHED for o in outcomes):
+        item.stash[_no_xfail_key] = True
     _xfail_if_ranks_did(outcomes)
     _fail_a_partial_skip(outcomes)
     text = failure_text(outcomes, spec.expected)
@@ -406,6 +411,13 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         first, _, rest = text.partition("\n")
         message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
         raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
+
+
+def refuse_xfail(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Fail a test an xfail marker would have xfailed, where a rank's fault never fired."""
+    if item.stash.get(_no_xfail_key, False) and hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        del report.wasxfail
 
 
 def _xfail_if_ranks_did(outcomes: list[RankOutcome]) -> None:

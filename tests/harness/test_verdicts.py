@@ -59,6 +59,25 @@ def test_a_fault_whose_point_is_never_reached_fails_the_test(inner: pytest.Pytes
     )
 
 
+def test_an_xfail_does_not_hide_a_fault_that_never_fired(inner: pytest.Pytester) -> None:
+    """The test itself is wrong (the fault's point is misspelt): no xfail can expect that."""
+    inner.makepyfile(
+        """
+        import pytest
+        from harness import fault_point
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(reason="the loader fails")
+        @pytest.mark.fault(rank=1, kind="raise", exc=OSError("disk"), at="laod")
+        def test_misspelt(rank):
+            fault_point("load")
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*FaultNotReached: fault raise at 'laod' was never reached*"])
+
+
 # ---- the real root cause --------------------------------------------------------------------
 
 
