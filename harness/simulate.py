@@ -10,7 +10,9 @@ torch is imported only when a fixture is used.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +121,8 @@ def threaded_world() -> Callable[..., list[Any]]:
     thread would otherwise swallow) or hung, raises ThreadedWorldError naming each rank.
     Cannot simulate: NCCL or CUDA collectives, separate processes (module state, the RNG and
     the environment are shared by all ranks: torch.manual_seed on one rank seeds them all),
-    crashes or signals, and a hung thread cannot be killed (it is left as a daemon).
+    crashes or signals, and a hung thread cannot be killed (it is left as a daemon, and a
+    later call waits up to its timeout for it to end, else raises naming it).
     """
 
     def run(fn: Callable[[int], Any], world_size: int = 4, timeout: float = 30.0) -> list[Any]:
@@ -139,6 +142,8 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
 
     if dist.is_initialized():
         raise RuntimeError("threaded_world: a process group is already set up in this process")
+    _wait_for_stale_ranks(timeout)
+    ProcessLocalGroup.reset()  # a stale rank that ended may have flagged its old world's end
     world = threaded._install_threaded_pg()
     c10d: Any = torch._C._distributed_c10d
     c10d._set_thread_isolation_mode(True)  # each thread-rank registers its own group names
@@ -169,12 +174,18 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
     try:
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(timeout)
+        _join_all(threads, time.monotonic() + timeout)
+        if any(thread.is_alive() for thread in threads):
+            # Wake the thread-ranks waiting in a collective on a hung one: they end as
+            # collateral; those hung in their own code stay, and a later call waits for them.
+            ProcessLocalGroup.exception_handle(TimeoutError("a thread-rank hung"))
+            _join_all(threads, time.monotonic() + WAKE_S)
     finally:
         c10d._set_thread_isolation_mode(False)
         threaded._uninstall_threaded_pg()
         ProcessLocalGroup.reset()
+    origin = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] or "an earlier call"
+    _stale.extend((r, thread, origin) for r, thread in enumerate(threads) if thread.is_alive())
     for rank in range(world_size):
         ends.setdefault(rank, ThreadRank(rank, Ending.HUNG))
     _raise_unless_all_returned([ends[r] for r in range(world_size)], timeout)
@@ -182,6 +193,31 @@ def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> 
 
 
 _WOKEN_BY_PEER = "Test termination event occurs."
+WAKE_S = 1.0  # how long thread-ranks woken after a hang get to end
+# Thread-ranks a call gave up on that were still running (rank, thread, the test that made
+# them): a thread cannot be killed, and one that went on into a collective would take part in
+# a later call's world.
+_stale: list[tuple[int, threading.Thread, str]] = []
+
+
+def _join_all(threads: list[threading.Thread], deadline: float) -> None:
+    """Join every thread by one deadline (not the bound once per thread)."""
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _wait_for_stale_ranks(timeout: float) -> None:
+    """Start a world only once every stale thread-rank has ended, waiting up to `timeout`;
+    else raise, naming them and the test that left them."""
+    _join_all([thread for _, thread, _ in _stale], time.monotonic() + timeout)
+    _stale[:] = [entry for entry in _stale if entry[1].is_alive()]
+    if _stale:
+        ranks = ", ".join(f"thread-rank {rank} of {origin}" for rank, _, origin in _stale)
+        raise RuntimeError(
+            f"threaded_world: {ranks} still running {timeout:g} s into this call; a thread "
+            f"cannot be killed, and it would take part in this world's collectives: end the "
+            f"hang in that test (this call starts once it has ended)"
+        )
 
 
 def _raise_unless_all_returned(ends: list[ThreadRank], timeout: float) -> None:

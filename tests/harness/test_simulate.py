@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -105,6 +107,51 @@ def test_an_error_in_a_rank_thread_is_reported_with_the_rank(threaded_world: Any
     with pytest.raises(ThreadedWorldError, match="rank 1 raised ValueError: thread rank 1 broke"):
         threaded_world(_raise_on_rank, world_size=3, timeout=20)
     assert not dist.is_initialized()
+
+
+def _sums(rank: int) -> list[float]:
+    out = []
+    for step in range(20):
+        t = torch.tensor([float(rank + step)])
+        dist.all_reduce(t)
+        out.append(t.item())
+    return out
+
+
+def test_a_hung_thread_rank_is_bounded_and_never_joins_a_later_world(
+    threaded_world: Any,
+) -> None:
+    late = threading.Event()
+
+    def rank_1_late(rank: int) -> float:
+        if rank == 1:
+            late.wait(60)  # released below, once this world has given up on it
+        return _sum_of_ranks(rank)
+
+    started = time.monotonic()
+    with pytest.raises(ThreadedWorldError, match=r"rank 1 hung \(still running after 1 s\)"):
+        threaded_world(rank_1_late, world_size=4, timeout=1)
+    # One deadline for the call: it waited 1 s for each thread in turn (4 s here).
+    assert time.monotonic() - started < 3.5
+    late.set()  # the stale rank 1 wakes into a collective of a world that is gone
+    assert (
+        threaded_world(_sums, world_size=2, timeout=20)
+        == [[float(1 + 2 * step) for step in range(20)]] * 2
+    )
+
+
+def test_a_thread_rank_still_running_from_an_earlier_call_is_named(
+    threaded_world: Any,
+) -> None:
+    stuck = threading.Event()
+    with pytest.raises(ThreadedWorldError, match="rank 1 hung"):
+        threaded_world(lambda rank: stuck.wait(60) if rank == 1 else None, 2, 0.5)
+    try:
+        with pytest.raises(RuntimeError, match=r"thread-rank 1 .*test_simulate.py::test_a_thr.*"):
+            threaded_world(_sum_of_ranks, world_size=2, timeout=0.5)
+    finally:
+        stuck.set()
+    assert threaded_world(_sum_of_ranks, world_size=2) == [1.0, 1.0]
 
 
 @pytest.mark.slow
