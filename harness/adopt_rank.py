@@ -139,15 +139,24 @@ def run_continuous_case(
 # ---- harness.spawn and rank_pool ------------------------------------------------------------
 
 
-def run_spawned(fn: Target, args: tuple[Any, ...], *, rank: int) -> Any:
+def run_spawned(fn: Target | Callable[..., Any], args: tuple[Any, ...], *, rank: int) -> Any:
     """``fn(rank, *args)``, as torch.multiprocessing.spawn calls it in each process."""
-    function: Callable[..., Any] = find(fn)
-    return function(rank, *args)
+    return _callable(fn)(rank, *args)
 
 
 def run_pooled(
-    fn: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *, rank: int, world_size: int
+    fn: Target | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
 ) -> Any:
     """``fn(rank, world_size, *args, **kwargs)`` in the run's process group."""
-    function: Callable[..., Any] = find(fn)
-    return function(rank, world_size, *args, **kwargs)
+    return _callable(fn)(rank, world_size, *args, **kwargs)
+
+
+def _callable(fn: Target | Callable[..., Any]) -> Callable[..., Any]:
+    """A function named by its Target, or a bound method that came whole."""
+    found: Callable[..., Any] = find(fn) if isinstance(fn, Target) else fn
+    return found

@@ -15,6 +15,7 @@ fixture. Imports no torch until a run raises torch's exception types.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,7 +67,11 @@ def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
     return config, item
 
 
-def _target(fn: Callable[..., Any], caller: str) -> Target:
+def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
+    """How each rank finds `fn`: by name, or (a method bound to an instance) the method
+    itself, pickled with its instance as torch's spawn pickles it."""
+    if inspect.ismethod(fn) and not isinstance(fn.__self__, type):
+        return fn
     try:
         return runner.function_target(fn)
     except SpecError:

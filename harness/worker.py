@@ -27,6 +27,7 @@ import os
 import pickle
 import signal
 import sys
+import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from harness import (
 from harness.faults import Fault, Injector, rankwise_points
 from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
-from harness.outcome import Ending, RankOutcome
+from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
     CURRENT_TEST,
     DUMP_STACKS_SIGNAL,
@@ -89,7 +90,9 @@ def main(conn: Any, files: RankFiles) -> None:
     where = _WhereBoard(str(files.where))
     where.install()
     kept_group.watch_point_to_point()
-    global _baseline
+    _draw_own_random_numbers()
+    global _baseline, _worker_pid
+    _worker_pid = os.getpid()
     _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
     gc.freeze()  # what the rank starts with (torch) is never garbage: no collection walks it
     conn.send(Message(Kind.READY, Ready(os.getpid())))
@@ -106,6 +109,32 @@ def main(conn: Any, files: RankFiles) -> None:
         outcome = _serve(message.payload)
         _flush()
         conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
+
+
+def _draw_own_random_numbers() -> None:
+    """Seed this rank's generators afresh, as a new process is: forkserver children share
+    the server's torch (and numpy) generator state, so every rank drew the same numbers (a
+    test of gradient averaging passed with no averaging). Python's random reseeds itself."""
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _end_if_a_forked_copy(error: BaseException | None) -> None:
+    """A copy of this rank made by os.fork that returned (or raised) out of the test into
+    the harness ends as its own process would, never serving as the rank: it would report
+    to the pytest side as the rank, and take later tests."""
+    if os.getpid() == _worker_pid:
+        return
+    code = 0
+    if isinstance(error, SystemExit):
+        code = exit_code(error)
+    elif error is not None:
+        traceback.print_exception(error)
+        code = 1
+    _flush()
+    os._exit(code)
 
 
 def _die_with_parent() -> None:
@@ -267,6 +296,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
 
 
 _baseline: rank_state.Baseline | None = None
+_worker_pid = 0  # this rank's own pid (a forked copy of it has another)
 _stack_file: Any = None
 _stack_path: Path | None = None
 _stack_id: tuple[int, int] = (0, 0)
@@ -512,10 +542,12 @@ def _run_target(
             kwargs = {name: made[name] for name in kwargs}
         injector.at_start()
         value = fn(*args, **kwargs)
+        _end_if_a_forked_copy(None)
         endings.refuse_awaitable(value)
         fixtures.close()  # finalizers and undoing, in the rank: an error there fails it
         stray.warn()  # exceptions in its threads or __del__, as pytest warns of them
     except BaseException as exc:
+        _end_if_a_forked_copy(exc)
         # The traceback text, before its frames are cleared.
         outcome = endings.ended_by(task.key, task.rank, exc, task.spec.show_locals)
         endings.release(exc)

@@ -425,6 +425,62 @@ def test_spawn_and_pool_keep_their_callers_assertions(inner: pytest.Pytester) ->
     result.assert_outcomes(passed=6)
 
 
+# Found by an adversarial pass over suites written for mp.spawn: each passed (a false green).
+SPAWN_LIKE_TORCH = """
+import os, random, numpy, pytest, torch, torch.distributed as dist
+import harness
+from torch.multiprocessing.spawn import ProcessRaisedException
+
+
+class Trainer:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def check(self, rank, expected):
+        assert isinstance(self, Trainer) and self.scale == expected, (self, expected)
+
+    def pooled(self, rank, world_size):
+        return self.scale * rank
+
+
+def test_spawn_calls_a_bound_method_on_its_instance():
+    harness.spawn(Trainer(3).check, args=(3,), nprocs=2)
+    with pytest.raises(ProcessRaisedException, match="AssertionError"):
+        harness.spawn(Trainer(3).check, args=(4,), nprocs=2)
+
+
+def test_the_pool_calls_a_bound_method_on_its_instance(rank_pool):
+    assert rank_pool.run(Trainer(5).pooled) == [0, 5]
+
+
+def forks_and_the_child_returns(i):
+    pid = os.fork()
+    if pid == 0:
+        return  # a careless child: it returns into its parent's caller
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the parent on rank {i} fails")
+
+
+def test_a_forked_child_that_returns_is_not_taken_for_the_rank():
+    with pytest.raises(ProcessRaisedException, match="the parent on rank 0 fails"):
+        harness.spawn(forks_and_the_child_returns, nprocs=2)
+
+
+@pytest.mark.ranks(2)
+def test_each_rank_draws_its_own_random_numbers(rank):
+    drawn = torch.tensor([torch.rand(1).item(), random.random(), numpy.random.rand()])
+    every = [torch.zeros(3) for _ in range(2)]
+    dist.all_gather(every, drawn)
+    assert (every[0] != every[1]).all(), every
+"""
+
+
+def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=4)
+
+
 def test_spawn_says_what_to_do_outside_a_session() -> None:
     from harness.spawning import _configs
 
