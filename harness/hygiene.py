@@ -1,5 +1,6 @@
 """What a test leaves behind in a rank: a process group, non-daemon threads, changed env,
-processes still running (which the worker kills whatever the test allows).
+processes still running (which the worker kills whatever the test allows); and daemon
+threads, which are no finding but get the ranks replaced.
 
 The worker snapshots before the body and compares after; the pytest side reports findings
 as a test error naming the rank. A test that means to leave something opts out with
@@ -9,6 +10,7 @@ as a test error naming the rank. A test that means to leave something opts out w
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from harness import environment
@@ -26,6 +28,12 @@ LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_", "KMP_")
 class Snapshot:
     threads: frozenset[int]
     env: dict[str, str]
+
+
+# A non-daemon thread the body started may take this long to end before it counts as left
+# running (a process's exit would wait for it: a flush, a last log line).
+THREAD_END_WAIT_S = 1.0
+HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never the test's
 
 
 def snapshot() -> Snapshot:
@@ -55,11 +63,11 @@ def findings(
             "torch.distributed.destroy_process_group() (or use rankwise.distributed_run)"
         )
     if "threads" in checks:
-        names = [
-            t.name
-            for t in threading.enumerate()
-            if t.is_alive() and not t.daemon and (t.ident or 0) not in before.threads
-        ]
+        started = [t for t in _started_since(before) if not t.daemon]
+        deadline = time.monotonic() + THREAD_END_WAIT_S
+        for thread in started:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        names = [t.name for t in started if t.is_alive()]
         if names:
             found["threads"] = (
                 f"left non-daemon threads running: {', '.join(sorted(names))}; join them"
@@ -82,6 +90,23 @@ def findings(
                 f"the monkeypatch fixture, which undoes itself"
             )
     return found
+
+
+def daemons_left(before: Snapshot) -> list[str]:
+    """The daemon threads the test started that still run. Not a finding (libraries keep
+    such threads), but such a thread may act in a later test (a watchdog that exits the
+    process, a poller calling collectives): the ranks are replaced instead of reused."""
+    return sorted(t.name for t in _started_since(before) if t.daemon)
+
+
+def _started_since(before: Snapshot) -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if t.is_alive()
+        and (t.ident or 0) not in before.threads
+        and not t.name.startswith(HARNESS_THREADS)
+    ]
 
 
 def parse_allowed(args: tuple[object, ...], origin: str) -> frozenset[str]:

@@ -86,6 +86,7 @@ class RankOutcome:
     after_failure: bool = False  # hung only because a peer had failed
     notes: list[str] = field(default_factory=list)
     leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
+    replace_after: str = ""  # why this rank must not serve another test (it is replaced)
     origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
     kept_group: str | None = None  # the group this rank kept for the next test, if any

@@ -340,7 +340,7 @@ class _Run:
             self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
-            o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys()
+            o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys() or o.replace_after
             for o in self.outcomes.values()
         )
         if suspect:

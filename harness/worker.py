@@ -282,7 +282,14 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
-        if task.keep_group and outcome.ending is Ending.RETURNED and not outcome.leftovers:
+        daemons = hygiene.daemons_left(before)
+        if daemons:
+            outcome.replace_after = (
+                f"left daemon threads running ({', '.join(daemons)}); the ranks are replaced "
+                f"for the next test"
+            )
+        kept_ok = not (outcome.leftovers or outcome.replace_after)
+        if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
             kept = outcome.kept_group = kept_group.keep(task.key)
             outcome.point_to_point = kept_group.point_to_point()
         return outcome, test_env

@@ -58,6 +58,38 @@ def test_next_is_clean(rank):
     )
 
 
+def test_threads_left_behind_never_reach_a_later_test(inner: pytest.Pytester) -> None:
+    """A daemon thread a test leaves (a watchdog) gets the ranks replaced: it killed its
+    rank during the next test, which was blamed. A non-daemon thread that ends within a
+    moment of the body, as a process's exit would wait for, is no leftover."""
+    inner.makepyfile(
+        HEADER
+        + """
+import time
+
+WATCHDOG = threading.Event()
+
+def _watch():
+    WATCHDOG.wait()
+    os._exit(17)  # the watchdog fires: the whole rank goes
+
+@pytest.mark.ranks(2)
+def test_a_starts_a_watchdog(rank):
+    threading.Thread(target=_watch, name="watchdog", daemon=True).start()
+
+@pytest.mark.ranks(2)
+def test_b_would_fire_it(rank):
+    WATCHDOG.set()  # on the same process as test_a's, its watchdog would kill this rank
+    dist.barrier()
+
+@pytest.mark.ranks(2)
+def test_c_a_thread_ending_just_after_the_body(rank):
+    threading.Thread(target=time.sleep, args=(0.3,), name="flusher").start()
+"""
+    )
+    inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=3)
+
+
 def test_a_test_that_replaces_os_environ_is_reported_and_undone(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
