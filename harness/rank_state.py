@@ -3,7 +3,8 @@
 Runs inside ranks only (imports torch). The worker takes a :class:`Baseline` once it is set
 up and restores it after every test: the standard streams and file descriptors 0-2 (a test
 may close or replace them; a later socket would then take fd 1 and a print would write into
-it), signal handlers, torch's default dtype and thread count, and the CUDA device. The
+it), signal handlers and pending alarms (interval timers), torch's default dtype and thread
+count, and the CUDA device. The
 working directory, ``sys.path`` and the environment are set afresh from each run's task.
 """
 
@@ -24,6 +25,7 @@ STANDARD_FDS = (0, 1, 2)
 # The C function signal.getsignal wraps, without its enum lookup per signal (~1 us each).
 getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
+    for timer in _TIMERS:  # an alarm the test set would go off in a later test
+        if signal.getitimer(timer) != (0.0, 0.0):
+            signal.setitimer(timer, 0)
 
 
 def cuda_device() -> int | None:

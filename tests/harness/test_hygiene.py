@@ -85,9 +85,17 @@ def test_b_would_fire_it(rank):
 @pytest.mark.ranks(2)
 def test_c_a_thread_ending_just_after_the_body(rank):
     threading.Thread(target=time.sleep, args=(0.3,), name="flusher").start()
+
+@pytest.mark.ranks(2)
+def test_d_leaves_an_alarm(rank):
+    signal.alarm(30)  # would kill this warm rank during a later test
+
+@pytest.mark.ranks(2)
+def test_e_no_alarm_is_pending(rank):
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 """
     )
-    inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=3)
+    inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=5)
 
 
 def test_a_test_that_replaces_os_environ_is_reported_and_undone(inner: pytest.Pytester) -> None:
