@@ -35,6 +35,7 @@ RUN_HYGIENE = frozenset({"threads", "processes"})
 
 _configs: list[pytest.Config] = []
 _items: list[pytest.Item] = []
+_started: list[tuple[SpawnContext, pytest.Item | None]] = []  # join=False runs, by test
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +54,16 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         return (yield)
     finally:
         _items.remove(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Wait for the join=False runs the test started and never joined (the next test would
+    queue behind them on the same ranks and be blamed); one that failed is this test's error."""
+    mine = [context for context, owner in _started if owner is item]
+    _started[:] = [(context, owner) for context, owner in _started if owner is not item]
+    for context in mine:
+        context.raise_unless_joined()
 
 
 def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
@@ -120,6 +131,7 @@ def spawn(
     target = runner.function_target(adopt_rank.run_spawned)
     context = SpawnContext(lambda: runner.run(config, spec, target, blob))
     if not join:
+        _started.append((context, item))
         return context
     context.join()
     return None
@@ -138,6 +150,7 @@ class SpawnContext:
     def __init__(self, run: Callable[[], list[RankOutcome]]) -> None:
         self.outcomes: list[RankOutcome] = []
         self._error: BaseException | None = None
+        self._joined = False  # a join() saw the run's end (and raised its failure, if any)
         self._thread = threading.Thread(target=self._run, args=(run,), name="harness-spawn")
         self._thread.start()
 
@@ -156,11 +169,29 @@ class SpawnContext:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
+        self._joined = True
         if self._error is not None:
             raise self._error
         rank_warnings.reemit(self.outcomes)
         raise_for(self.outcomes)
         return True
+
+    def raise_unless_joined(self) -> None:
+        """For a context never joined: wait for its run (bounded by its own timeout) and
+        raise its failure, saying it was never joined."""
+        if self._joined:
+            return
+        try:
+            self.join()
+        except Exception as exc:
+            raise SpawnNotJoined(
+                f"a harness.spawn(join=False) run this test started was never joined, and it "
+                f"failed (join its context to meet the failure where it happens):\n{exc}"
+            ) from exc
+
+
+class SpawnNotJoined(AssertionError):
+    """A harness.spawn(join=False) run the test never joined failed."""
 
 
 def raise_for(outcomes: list[RankOutcome]) -> None:

@@ -466,6 +466,22 @@ def test_a_forked_child_that_returns_is_not_taken_for_the_rank():
         harness.spawn(forks_and_the_child_returns, nprocs=2)
 
 
+def fails_on_rank_1(i):
+    assert i != 1, "rank 1 of the unjoined run fails"
+
+
+def test_z_an_unjoined_spawn_that_fails_errors_at_its_tests_teardown():
+    harness.spawn(fails_on_rank_1, nprocs=2, join=False)  # never joined: its failure is ours
+
+
+def test_z_an_unjoined_spawn_that_passes_is_waited_for(tmp_path):
+    harness.spawn(noop, nprocs=2, join=False)
+
+
+def noop(i):
+    pass
+
+
 @pytest.mark.ranks(2)
 def test_each_rank_draws_its_own_random_numbers(rank):
     drawn = torch.tensor([torch.rand(1).item(), random.random(), numpy.random.rand()])
@@ -478,7 +494,14 @@ def test_each_rank_draws_its_own_random_numbers(rank):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
     result = inner.runpytest("-p", "harness", "-v")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=6, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_z_an_unjoined_spawn_that_fails*",
+            "*harness.spawn(join=False) run this test started was never joined*",
+            "*rank 1 of the unjoined run fails*",
+        ]
+    )
 
 
 def test_spawn_says_what_to_do_outside_a_session() -> None:
