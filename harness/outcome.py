@@ -44,6 +44,13 @@ _PEER_ERROR_TEXT = re.compile(
     re.IGNORECASE,
 )
 
+# torch.distributed's words for a rank's own network mistake (a port another socket holds,
+# an address not on this host): never a peer's doing, though its error type reads so.
+_OWN_NETWORK_ERROR_TEXT = re.compile(
+    r"EADDRINUSE|address already in use|EADDRNOTAVAIL|cannot assign requested address",
+    re.IGNORECASE,
+)
+
 
 @dataclass(frozen=True)
 class RankWarning:
@@ -152,6 +159,8 @@ class RankOutcome:
         if self.origin_rank is not None:  # rankwise (or an assertion helper) said whose it is
             return self.origin_rank != self.rank
         if self.ending is not Ending.RAISED:
+            return False
+        if _OWN_NETWORK_ERROR_TEXT.search(self.message):
             return False
         if self.exc_name in _PEER_ERROR_TYPES:
             return True

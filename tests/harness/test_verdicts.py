@@ -81,6 +81,27 @@ def test_an_xfail_does_not_hide_a_fault_that_never_fired(inner: pytest.Pytester)
 # ---- the real root cause --------------------------------------------------------------------
 
 
+def test_a_ranks_own_port_clash_is_its_failure_not_a_lost_peer(inner: pytest.Pytester) -> None:
+    """torch raises DistNetworkError for a port already taken, which reads like a peer's
+    failure; the rank that could not bind is the root cause."""
+    inner.makepyfile(
+        """
+        import socket, pytest, torch.distributed as dist
+
+        @pytest.mark.ranks(2)
+        def test_bind(rank):
+            if rank == 0:
+                held = socket.create_server(("127.0.0.1", 0))
+                port = held.getsockname()[1]
+                dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 0 failed: raised DistNetworkError*"])
+    result.stdout.fnmatch_lines(["*rank 0 (pid *): raised DistNetworkError*[[]root cause[]]*"])
+
+
 ORIGIN = """
 import time, pytest, torch
 import rankwise as rw
