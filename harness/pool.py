@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -471,6 +472,10 @@ class Pools:
         self._serial = itertools.count(1)
         self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
         self.started_pids: set[int] = set()
+        # Pools running a run now: a second run for the same key at once (a join=False spawn,
+        # then another) gets spare ranks, never a place in the queue of busy ones.
+        self._busy: set[PoolKey] = set()
+        self._lock = threading.Lock()
 
     @property
     def store(self) -> Any:
@@ -517,20 +522,59 @@ class Pools:
         """One attempt; a group kept after it serves later tests asking `asked_timeout_s`
         (a retry's group has a little less, under its margin over the test's bound)."""
         key = PoolKey.of(request.spec)
+        with self._lock:
+            busy = key in self._busy
+            self._busy.add(key)
+        if busy:
+            return self._run_on_spare_ranks(request, setup_attempt)
+        try:
+            return self._run_on_warm_ranks(request, setup_attempt, asked_timeout_s)
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+
+    def _run_on_spare_ranks(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
+        """A run while its key's warm ranks are busy: on ranks started for it, then closed."""
+        pool = Pool(PoolKey.of(request.spec), self._workdir)
+        self.started_pids.update(pool.pids)
+        tasks, _launch_store = self._tasks(request, setup_attempt, None)
+        try:
+            return pool.run(tasks, request.live)
+        finally:
+            pool.close()
+
+    def _run_on_warm_ranks(
+        self, request: RunRequest, setup_attempt: int, asked_timeout_s: float
+    ) -> list[RankOutcome]:
+        key = PoolKey.of(request.spec)
         pool = self.get(key)
         kept = self._kept.pop(key, None)  # a group is reused once, then kept again or not
         spec = request.spec
         reuse = (
             kept[0] if kept is not None and spec.keeps_group and kept[1] == spec.timeout_s else None
         )
+        tasks, _launch_store = self._tasks(request, setup_attempt, reuse)
+        outcomes = pool.run(tasks, request.live)
+        kept_ids = {o.kept_group for o in outcomes}
+        in_step = _messages_all_received(outcomes)
+        if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
+            self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
+        return outcomes
+
+    def _tasks(
+        self, request: RunRequest, setup_attempt: int, reuse: str | None
+    ) -> tuple[list[RunTask], Any]:
+        """One task per rank, and the agent store of a launch-mode run (else None), which
+        the caller keeps for the run only, as torchrun's agent hosts one."""
+        spec = request.spec
         serial = next(self._serial)
         env = environment.variables()
         current_test = env.pop(CURRENT_TEST, None)
-        launch_store = self._launch_store() if request.spec.launch else None
+        launch_store = self._launch_store() if spec.launch else None
         task = RunTask(
             key=f"{os.getpid()}-{serial}",
             rank=0,
-            spec=request.spec,
+            spec=spec,
             target=request.target,
             args_blob=request.args_blob,
             store_host="127.0.0.1",
@@ -546,15 +590,7 @@ class Pools:
             env=env,
             current_test=current_test,
         )
-        try:
-            outcomes = pool.run(task.for_ranks(request.spec.world_size), request.live)
-        finally:
-            del launch_store  # torchrun's agent store lives for the run only
-        kept_ids = {o.kept_group for o in outcomes}
-        in_step = _messages_all_received(outcomes)
-        if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
-            self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
-        return outcomes
+        return task.for_ranks(spec.world_size), launch_store
 
     def _launch_store(self) -> Any:
         """A store for one launch-mode run, as torchrun's agent hosts one: bound to port 0."""

@@ -428,6 +428,7 @@ def test_spawn_and_pool_keep_their_callers_assertions(inner: pytest.Pytester) ->
 # Found by an adversarial pass over suites written for mp.spawn: each passed (a false green).
 SPAWN_LIKE_TORCH = """
 import os, random, numpy, pytest, torch, torch.distributed as dist
+from datetime import timedelta
 import harness
 from torch.multiprocessing.spawn import ProcessRaisedException
 
@@ -482,6 +483,24 @@ def noop(i):
     pass
 
 
+def server(i, path):
+    store = dist.FileStore(path, 2)
+    store.set_timeout(timedelta(seconds=20))
+    store.wait(["hello"])  # from the client, spawned while this run goes on
+
+
+def client(i, path):
+    dist.FileStore(path, 2).set("hello", "1")
+
+
+def test_two_spawns_at_once_each_get_their_own_ranks(tmp_path):
+    harness.spawn(noop, nprocs=1)  # the ranks for one process are warm: both runs want them
+    path = str(tmp_path / "store")
+    serving = harness.spawn(server, args=(path,), nprocs=1, join=False)
+    harness.spawn(client, args=(path,), nprocs=1)
+    assert serving.join(timeout=60)
+
+
 @pytest.mark.ranks(2)
 def test_each_rank_draws_its_own_random_numbers(rank):
     drawn = torch.tensor([torch.rand(1).item(), random.random(), numpy.random.rand()])
@@ -494,7 +513,7 @@ def test_each_rank_draws_its_own_random_numbers(rank):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
     result = inner.runpytest("-p", "harness", "-v")
-    result.assert_outcomes(passed=6, errors=1)
+    result.assert_outcomes(passed=7, errors=1)
     result.stdout.fnmatch_lines(
         [
             "*ERROR at teardown of test_z_an_unjoined_spawn_that_fails*",
