@@ -92,6 +92,18 @@ def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
         ) from None
 
 
+def _encoded(caller: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """The run's arguments pickled for the ranks; a ValueError saying what to pass instead."""
+    try:
+        return encode_args(args, kwargs)
+    except Exception as exc:
+        raise ValueError(
+            f"{caller}: the arguments cannot reach the warm ranks ({type(exc).__name__}: "
+            f"{exc}); pass values that pickle: a multiprocessing queue, pipe or event only "
+            f"passes to processes being created, so use a file or a torch.distributed store"
+        ) from exc
+
+
 # ---- harness.spawn ----------------------------------------------------------------------------
 
 
@@ -127,7 +139,7 @@ def spawn(
         hygiene=RUN_HYGIENE,
         warning_filters=rank_warnings.filters_for(config, item),
     )
-    blob = encode_args((_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
+    blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
     target = runner.function_target(adopt_rank.run_spawned)
     context = SpawnContext(lambda: runner.run(config, spec, target, blob))
     if not join:
@@ -201,7 +213,7 @@ def raise_for(outcomes: list[RankOutcome]) -> None:
         _raise_for_leftovers(outcomes)
         return
     if all(o.ending is Ending.SKIPPED for o in outcomes):
-        raise pytest.skip.Exception(outcomes[0].message)
+        raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
     culprit = root_cause(outcomes) or next(o for o in outcomes if not o.ok)
     raise _exception_for(culprit, report, outcomes)
 
@@ -288,8 +300,10 @@ class RankPool:
         Raises :class:`RankPoolError` (an AssertionError) with the report, root cause first,
         when any rank raised, exited, died or hung.
         """
-        blob = encode_args(
-            (_target(fn, "rank_pool.run"), args, kwargs), {"rank": None, "world_size": None}
+        blob = _encoded(
+            "rank_pool.run",
+            (_target(fn, "rank_pool.run"), args, kwargs),
+            {"rank": None, "world_size": None},
         )
         target = runner.function_target(adopt_rank.run_pooled)
         outcomes = runner.run(self._config, self._spec, target, blob)

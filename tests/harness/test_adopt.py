@@ -501,6 +501,20 @@ def test_two_spawns_at_once_each_get_their_own_ranks(tmp_path):
     assert serving.join(timeout=60)
 
 
+def test_a_queue_in_args_says_what_to_pass_instead():
+    import multiprocessing
+    with pytest.raises(ValueError, match="use a file or a torch.distributed store"):
+        harness.spawn(noop, args=(multiprocessing.get_context("spawn").Queue(),), nprocs=1)
+
+
+def skips(i):
+    pytest.skip("no data here")
+
+
+def test_a_skip_on_every_spawned_rank_is_reported_at_the_test():
+    harness.spawn(skips, nprocs=2)
+
+
 @pytest.mark.ranks(2)
 def test_each_rank_draws_its_own_random_numbers(rank):
     drawn = torch.tensor([torch.rand(1).item(), random.random(), numpy.random.rand()])
@@ -512,8 +526,9 @@ def test_each_rank_draws_its_own_random_numbers(rank):
 
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
-    result = inner.runpytest("-p", "harness", "-v")
-    result.assert_outcomes(passed=7, errors=1)
+    result = inner.runpytest("-p", "harness", "-v", "-rs")
+    result.assert_outcomes(passed=8, errors=1, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_like_torch.py:*: no data here"])
     result.stdout.fnmatch_lines(
         [
             "*ERROR at teardown of test_z_an_unjoined_spawn_that_fails*",
