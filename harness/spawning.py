@@ -244,6 +244,9 @@ def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome
         name = signal_name(culprit.signal)
         first = f"process {index:d} terminated with signal {name}"
         error = RankExited(f"{first}\n{report}", index, pid, -(culprit.signal or 0), name)
+    elif culprit.ending is Ending.RETURNED:  # the root cause: it left its peers waiting
+        first = f"process {index:d} returned while its peers still waited on it (exit code 0)"
+        error = RankExited(f"{first}\n{report}", index, pid, 0)
     elif culprit.ending is Ending.HUNG:
         first = f"process {index:d} hung past the harness's timeout and was killed (SIGKILL)"
         error = RankExited(f"{first}\n{report}", index, pid, -9, "SIGKILL")

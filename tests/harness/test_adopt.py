@@ -430,7 +430,7 @@ SPAWN_LIKE_TORCH = """
 import os, random, numpy, pytest, torch, torch.distributed as dist
 from datetime import timedelta
 import harness
-from torch.multiprocessing.spawn import ProcessRaisedException
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 
 class Trainer:
@@ -501,6 +501,18 @@ def test_two_spawns_at_once_each_get_their_own_ranks(tmp_path):
     assert serving.join(timeout=60)
 
 
+def half_collective(i, path):
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=i, world_size=2)
+    if i == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never comes: it returns
+
+
+def test_a_rank_returning_while_its_peer_waits_is_named_with_no_made_up_exit_code(tmp_path):
+    with pytest.raises(ProcessExitedException, match="process 1 returned while") as info:
+        harness.spawn(half_collective, args=(str(tmp_path / "s"),), nprocs=2)
+    assert info.value.exit_code == 0
+
+
 def test_a_queue_in_args_says_what_to_pass_instead():
     import multiprocessing
     with pytest.raises(ValueError, match="use a file or a torch.distributed store"):
@@ -527,7 +539,7 @@ def test_each_rank_draws_its_own_random_numbers(rank):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
     result = inner.runpytest("-p", "harness", "-v", "-rs")
-    result.assert_outcomes(passed=8, errors=1, skipped=1)
+    result.assert_outcomes(passed=9, errors=1, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_like_torch.py:*: no data here"])
     result.stdout.fnmatch_lines(
         [
