@@ -457,8 +457,39 @@ _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
 def _context(start_method: str) -> Any:
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
+        _socket_dir_short_enough()
         ctx.set_forkserver_preload(["harness.worker", "harness.forkserver_guard"])
     return ctx
+
+
+# A Unix socket's path holds at most 107 bytes; multiprocessing puts the forkserver's at
+# <its temp dir>/listener-XXXXXXXX, its temp dir being $TMPDIR/pymp-XXXXXXXX.
+SOCKET_PATH_MAX = 107
+_LISTENER = len("/listener-12345678")
+_SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _socket_dir_short_enough() -> None:
+    """Have multiprocessing keep its sockets under a short directory where TMPDIR is long (a
+    CI's workspace): from a TMPDIR of 76 characters, no rank could start."""
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) + len("/pymp-12345678") + _LISTENER <= SOCKET_PATH_MAX:
+        return
+    short = next((d for d in _SHORT_TEMP_DIRS if os.access(d, os.W_OK)), None)
+    saved = tempfile.tempdir
+    try:
+        if short is not None:
+            tempfile.tempdir = short  # where util makes its directory, unless it has one
+        made = util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+    if len(made) + _LISTENER > SOCKET_PATH_MAX:
+        raise PoolStartError(
+            f"multiprocessing's directory for sockets, {made!r}, is too long for a Unix "
+            f"socket ({SOCKET_PATH_MAX} bytes at most): set TMPDIR to a shorter directory, or "
+            f"use --rank-start-method spawn"
+        )
 
 
 class Pools:

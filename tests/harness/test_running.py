@@ -437,3 +437,27 @@ def test_last_failed_and_exit_first_work_with_rank_tests(pytester: pytest.Pytest
     again.stdout.no_fnmatch_line("*test_b_passes*")
     stopped = pytester.runpytest("-p", "harness", "-x")
     stopped.assert_outcomes(failed=1)  # test_b_passes never ran
+
+
+@pytest.mark.slow
+def test_ranks_start_under_a_long_tmpdir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forkserver's socket lives under TMPDIR, and a Unix socket's path has at most 107
+    bytes: from a TMPDIR of 76 characters no rank could start (AF_UNIX path too long)."""
+    long_dir = pytester.path / ("t" * 60) / ("m" * 60)
+    long_dir.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    pytester.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(2)
+        def test_sum(rank):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", timeout=180)
+    result.assert_outcomes(passed=1)
