@@ -400,11 +400,15 @@ def failure_text(
     failed = failed_ranks(outcomes, expected)
     if not failed:
         return None
-    diagnosis = diagnose(outcomes, failed)
     if expected:
+        # The labels say who caused what among every rank that did not return, expected or
+        # not: an unmet rank's failure may come from a peer whose own ending was expected.
+        ended_badly = sorted(set(failed) | {o.rank for o in outcomes if not o.ok})
+        diagnosis = diagnose(outcomes, ended_badly)
         header = f"expected outcomes not met on {ranks_phrase(failed)}"
         body = render_report(outcomes, diagnosis, expectation_table(expected, outcomes))
         return f"{header}\n\n{body}"
+    diagnosis = diagnose(outcomes, failed)
     return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis))
 
 

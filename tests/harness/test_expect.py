@@ -239,3 +239,29 @@ def test_slow_is_not_hung(rank, shared_tmp_path):
     result = inner.runpytest("-p", "harness", "-rxX")
     result.assert_outcomes(passed=2, xfailed=1, failed=1)
     result.stdout.fnmatch_lines(["*1 * | hangs * | hung outside any collective  <-*"])
+
+
+def test_an_unmet_expectation_caused_by_a_peer_names_that_peer_the_root_cause(
+    inner: pytest.Pytester,
+) -> None:
+    """Rank 1 was expected to raise, but rank 0's expected exit reached it through rankwise
+    (a SystemExit travels as it is): rank 0 caused it, whose own ending was as expected."""
+    inner.makepyfile(
+        HEADER
+        + """
+@pytest.mark.ranks(2)
+@pytest.mark.fault(rank=0, kind="exit", code=3, at="batch")
+@pytest.mark.expect(rank=0, does=exits(3), others=raises(RuntimeError))
+def test_wrong_guess(rank):
+    rw.all_reduce("batch", lambda: 1, sum)
+"""
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*expected outcomes not met on rank 1*",
+            "*rank 0 (pid *): called sys.exit(3) [[]root cause[]]*",
+            "*rank 1 (pid *): called sys.exit(3) [[]collateral[]]*",
+        ]
+    )
