@@ -13,7 +13,7 @@ from harness.assertions import assert_close_across_ranks, assert_on_all_ranks
 from harness.expect import Expected, aborts, exits, hangs, killed, raises, returns
 from harness.faults import Fault, fault_point
 from harness.outcome import Ending, RankOutcome
-from harness.runner import RankRunner, WorldOutcome
+from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
 from harness.simulate import ThreadedWorldError
 from harness.spawning import RankPool, RankPoolError, spawn
 
@@ -25,6 +25,7 @@ __all__ = [
     "RankPool",
     "RankPoolError",
     "RankRunner",
+    "RanksReplacedWarning",
     "ThreadedWorldError",
     "WorldOutcome",
     "aborts",

@@ -33,6 +33,7 @@ from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
     CURRENT_TEST,
+    OUTPUT_LIMIT,
     Backend,
     DropGroup,
     Kind,
@@ -52,7 +53,6 @@ FAILURE_GRACE_S = 5.0
 TEST_FAILURE_GRACE = "_HARNESS_TEST_FAILURE_GRACE_S"  # the harness's own tests shorten it
 # How long a pool may take to start (spawn imports torch once per rank).
 START_TIMEOUT_S = 120.0
-OUTPUT_LIMIT = 64 * 1024
 # A group set-up that failed on every rank (the body never ran) is retried this many times,
 # while at least MIN_SET_UP_RETRY_S of the run's bound is left.
 SET_UP_ATTEMPTS = 3

@@ -50,6 +50,7 @@ RANK_SIDE_FIXTURES = (
     "tmpdir",
 )
 WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a rank is in
+OUTPUT_LIMIT = 64 * 1024  # the tail of a rank's stream (or captured log) a report keeps
 # pytest names the test and phase it is in here; it travels apart from the environment.
 CURRENT_TEST = "PYTEST_CURRENT_TEST"
 # The harness's own tests set this to make rank 1's first N group set-ups fail.

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from harness.protocol import LogCapture
+from harness.protocol import OUTPUT_LIMIT, LogCapture
 
 
 @contextlib.contextmanager
@@ -29,7 +29,14 @@ def capturing(settings: LogCapture | None) -> Iterator[Callable[[], str]]:
     handler = pytest_logging.LogCaptureHandler()
     handler.setFormatter(_formatter(settings))
     with pytest_logging.catching_logs(handler, level=settings.level):
-        yield lambda: handler.stream.getvalue().strip()
+        yield lambda: _tail(handler.stream.getvalue().strip())
+
+
+def _tail(text: str) -> str:
+    """The last OUTPUT_LIMIT characters, as a rank's streams keep theirs."""
+    if len(text) <= OUTPUT_LIMIT:
+        return text
+    return f"[... {len(text) - OUTPUT_LIMIT} characters cut ...]\n{text[-OUTPUT_LIMIT:]}"
 
 
 @functools.lru_cache(maxsize=4)

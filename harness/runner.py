@@ -57,6 +57,11 @@ class RankLeftovers(Exception):
     """A rank test left a process group, threads or environment changes behind."""
 
 
+class RanksReplacedWarning(pytest.PytestWarning):
+    """A rank test left daemon threads running, so its ranks were replaced before the next
+    test (about 0.1 s at 4 ranks); ``@pytest.mark.allow_leftovers("threads")`` keeps them."""
+
+
 class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone
     """The harness itself could not run the test: reported as an error, not a failure."""
 
@@ -71,6 +76,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     _stop_if_a_rank_did(outcomes)
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
+    _warn_of_replaced_ranks(item, outcomes)
     record_leftovers(item, outcomes)
     attach_output(item, outcomes)
     judge(item, spec, outcomes)
@@ -98,6 +104,20 @@ def _warn_of_returned_values(item: pytest.Function, outcomes: list[RankOutcome])
                 f"test functions should return None, but {item.nodeid} returned "
                 f"{returned[0].value_repr} on {ranks}; use assert (or run_on_ranks to get "
                 f"values back)"
+            ),
+            stacklevel=1,
+        )
+
+
+def _warn_of_replaced_ranks(item: pytest.Function, outcomes: list[RankOutcome]) -> None:
+    """Say why ranks were replaced after a passing test: each replacement costs a start."""
+    why = [f"rank {o.rank} {o.replace_after}" for o in outcomes if o.replace_after]
+    if why:
+        warnings.warn(
+            RanksReplacedWarning(
+                f"{item.nodeid}: {'; '.join(why)} (a thread that would act in a later test; "
+                f"one a library keeps for the process: @pytest.mark.allow_leftovers('threads') "
+                f"keeps the ranks)"
             ),
             stacklevel=1,
         )
@@ -402,8 +422,7 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         raise HarnessError(set_up_failure_text(outcomes), pytrace=False)
     if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported at the test, not here
         raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
-    if any(o.exc_type == FAULT_NOT_REACHED for o in outcomes):
-        item.stash[_no_xfail_key] = True
+    note_missed_faults(item, outcomes)
     _xfail_if_ranks_did(outcomes)
     _fail_a_partial_skip(outcomes)
     text = failure_text(outcomes, spec.expected)
@@ -411,6 +430,12 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         first, _, rest = text.partition("\n")
         message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
         raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
+
+
+def note_missed_faults(item: pytest.Item | None, outcomes: list[RankOutcome]) -> None:
+    """Remember, for refuse_xfail, that a rank's fault never fired in `item`."""
+    if item is not None and any(o.exc_type == FAULT_NOT_REACHED for o in outcomes):
+        item.stash[_no_xfail_key] = True
 
 
 def refuse_xfail(item: pytest.Item, report: pytest.TestReport) -> None:
@@ -596,11 +621,13 @@ class RankRunner:
 
             outcomes = launched_hooks.run_call(self._config, self._node, spec, fn, args, kwargs)
             rank_warnings.reemit(outcomes)
+            note_missed_faults(self._node, outcomes)
             return WorldOutcome(outcomes)
         if spec.backend == "nccl":
             skip_without_gpus(spec.world_size)
         outcomes = run(self._config, spec, target, encode_args(args, kwargs))
         rank_warnings.reemit(outcomes)
+        note_missed_faults(self._node, outcomes)
         return WorldOutcome(outcomes)
 
 

@@ -35,6 +35,7 @@ RUN_HYGIENE = frozenset({"threads", "processes"})
 
 _configs: list[pytest.Config] = []
 _items: list[pytest.Item] = []
+_calling: list[pytest.Item] = []  # the tests whose body is running (not a fixture)
 _started: list[tuple[SpawnContext, pytest.Item | None]] = []  # join=False runs, by test
 
 
@@ -56,10 +57,20 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         _items.remove(item)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    _calling.append(item)
+    try:
+        return (yield)
+    finally:
+        _calling.remove(item)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """Wait for the join=False runs the test started and never joined (the next test would
-    queue behind them on the same ranks and be blamed); one that failed is this test's error."""
+    """Wait for the join=False runs the test's body started and never joined (the next test
+    would queue behind them on the same ranks and be blamed); one that failed is this test's
+    error. A run a fixture started is the fixture's: it may be joined at its teardown."""
     mine = [context for context, owner in _started if owner is item]
     _started[:] = [(context, owner) for context, owner in _started if owner is not item]
     for context in mine:
@@ -143,7 +154,7 @@ def spawn(
     target = runner.function_target(adopt_rank.run_spawned)
     context = SpawnContext(lambda: runner.run(config, spec, target, blob))
     if not join:
-        _started.append((context, item))
+        _started.append((context, _calling[-1] if _calling else None))
         return context
     context.join()
     return None

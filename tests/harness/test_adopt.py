@@ -462,6 +462,24 @@ def forks_and_the_child_returns(i):
     raise AssertionError(f"the parent on rank {i} fails")
 
 
+@pytest.fixture
+def forks_at_teardown(rank):
+    yield
+    if os.fork() == 0:
+        return  # the child comes back into the harness from the fixture's teardown
+    os.wait()
+
+
+@pytest.mark.ranks(2)
+def test_a_fixture_forks_at_teardown(rank, forks_at_teardown):
+    pass
+
+
+@pytest.mark.ranks(2)
+def test_and_the_next_test_runs_on_the_ranks_themselves(rank):
+    dist.barrier()
+
+
 def test_a_forked_child_that_returns_is_not_taken_for_the_rank():
     with pytest.raises(ProcessRaisedException, match="the parent on rank 0 fails"):
         harness.spawn(forks_and_the_child_returns, nprocs=2)
@@ -528,6 +546,11 @@ def test_a_skip_on_every_spawned_rank_is_reported_at_the_test():
 
 
 @pytest.mark.ranks(2)
+def test_one_that_seeds_every_rank_alike(rank):
+    torch.manual_seed(0), random.seed(0), numpy.random.seed(0)
+
+
+@pytest.mark.ranks(2)
 def test_each_rank_draws_its_own_random_numbers(rank):
     drawn = torch.tensor([torch.rand(1).item(), random.random(), numpy.random.rand()])
     every = [torch.zeros(3) for _ in range(2)]
@@ -536,10 +559,41 @@ def test_each_rank_draws_its_own_random_numbers(rank):
 """
 
 
+# A server a module's fixture spawns and stops: its run is the fixture's, not the first test's.
+SERVED_BY_A_FIXTURE = """
+from datetime import timedelta
+import pytest, torch.distributed as dist
+import harness
+
+
+def serve_until_stopped(i, path):
+    store = dist.FileStore(path, 2)
+    store.set_timeout(timedelta(seconds=30))
+    store.wait(["stop"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("server") / "store")
+    running = harness.spawn(serve_until_stopped, args=(path,), nprocs=1, join=False)
+    yield path
+    dist.FileStore(path, 2).set("stop", "1")
+    assert running.join(timeout=60)
+
+
+def test_first_use(server):
+    pass
+
+
+def test_second_use(server):
+    pass
+"""
+
+
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
-    inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH)
+    inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH, test_served=SERVED_BY_A_FIXTURE)
     result = inner.runpytest("-p", "harness", "-v", "-rs")
-    result.assert_outcomes(passed=9, errors=1, skipped=1)
+    result.assert_outcomes(passed=14, errors=1, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_like_torch.py:*: no data here"])
     result.stdout.fnmatch_lines(
         [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests.harness.conftest import HEADER
@@ -93,9 +95,27 @@ def test_d_leaves_an_alarm(rank):
 @pytest.mark.ranks(2)
 def test_e_no_alarm_is_pending(rank):
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+PIDS = []
+
+@pytest.mark.ranks(2)
+@pytest.mark.allow_leftovers("threads")
+def test_f_a_library_thread_that_stays(rank):
+    PIDS.append(os.getpid())
+    threading.Thread(target=threading.Event().wait, name="library-poller", daemon=True).start()
+
+@pytest.mark.ranks(2)
+def test_g_keeps_the_ranks(rank):
+    assert PIDS == [os.getpid()]
 """
     )
-    inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=5)
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # the inner run's own filters apply, not this suite's "error"
+        result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=7, warnings=1)
+    result.stdout.fnmatch_lines(
+        ["*RanksReplacedWarning: *test_a_starts_a_watchdog*left daemon threads running (watchdog)*"]
+    )
 
 
 def test_a_test_that_replaces_os_environ_is_reported_and_undone(inner: pytest.Pytester) -> None:

@@ -12,6 +12,7 @@ HARNESS_NAMES = [
     "RankPool",
     "RankPoolError",
     "RankRunner",
+    "RanksReplacedWarning",
     "ThreadedWorldError",
     "WorldOutcome",
     "aborts",

@@ -827,11 +827,15 @@ def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytest
         """
         import logging, pytest
 
+        QUIET = logging.getLogger("quiet")  # made when the ranks load this module
+        QUIET.propagate = False
+
         @pytest.mark.ranks(2)
         def test_logs(rank):
             logging.getLogger("train").info("step on rank %d", rank)
             logging.getLogger("train").warning("careful on rank %d", rank)
             logging.getLogger("torch.distributed").warning("torch says %d", rank)
+            QUIET.warning("quietly on rank %d", rank)
             assert rank == 0
         """
     )
@@ -843,6 +847,7 @@ def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytest
             "INFO step on rank 0",
             "WARNING careful on rank 0",
             "WARNING torch says 0",  # a logger that does not propagate, as pytest does
+            "WARNING quietly on rank 0",  # one the test's module made, on a rank's first test
             "*Captured log [[]rank 1[]] call*",
             "INFO step on rank 1",
             "WARNING careful on rank 1",
@@ -852,6 +857,24 @@ def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytest
     # own handler still writes there, as in a plain test).
     stderr = result.stdout.str().split("Captured stderr [rank 1] call")[1].split("Captured")[0]
     assert "torch says 1" in stderr and "careful" not in stderr
+
+
+def test_a_ranks_captured_log_keeps_its_tail_as_its_streams_do(inner: pytest.Pytester) -> None:
+    inner.makeini("[pytest]\nrank_timeout = 30\nlog_format = %(message)s\n")
+    inner.makepyfile(
+        """
+        import logging, pytest
+
+        @pytest.mark.ranks(2)
+        def test_chatty(rank):
+            for i in range(20000):
+                logging.warning("line %06d", i)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*characters cut ...]*", "line 019999"])
+    result.stdout.no_fnmatch_line("line 000000")
 
 
 def test_without_pytests_logging_plugin_a_ranks_records_stay_on_its_stderr(

@@ -63,7 +63,7 @@ def test_an_xfail_does_not_hide_a_fault_that_never_fired(inner: pytest.Pytester)
     """The test itself is wrong (the fault's point is misspelt): no xfail can expect that."""
     inner.makepyfile(
         """
-        import pytest
+        import pytest, harness
         from harness import fault_point
 
         @pytest.mark.ranks(2)
@@ -71,10 +71,18 @@ def test_an_xfail_does_not_hide_a_fault_that_never_fired(inner: pytest.Pytester)
         @pytest.mark.fault(rank=1, kind="raise", exc=OSError("disk"), at="laod")
         def test_misspelt(rank):
             fault_point("load")
+
+        def load():
+            fault_point("load")
+
+        @pytest.mark.xfail(reason="the loader fails")
+        def test_misspelt_from_outside(run_on_ranks):
+            fault = harness.Fault(rank=1, kind="raise", exc=OSError("disk"), at="laod")
+            run_on_ranks(load, world_size=2, faults=[fault]).values
         """
     )
     result = inner.runpytest("-p", "harness")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*FaultNotReached: fault raise at 'laod' was never reached*"])
 
 
