@@ -16,6 +16,7 @@ fixture. Imports no torch until a run raises torch's exception types.
 from __future__ import annotations
 
 import inspect
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -93,6 +94,14 @@ def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
     """How each rank finds `fn`: by name, or (a method bound to an instance) the method
     itself, pickled with its instance as torch's spawn pickles it."""
     if inspect.ismethod(fn) and not isinstance(fn.__self__, type):
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise ValueError(
+                f"{caller}: the instance of the bound method {fn.__qualname__} cannot travel "
+                f"to the ranks ({type(exc).__name__}: {exc}); make the instance pickle, or "
+                f"pass a module-level function"
+            ) from exc
         return fn
     try:
         return runner.function_target(fn)

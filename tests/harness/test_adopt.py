@@ -450,6 +450,20 @@ def test_spawn_calls_a_bound_method_on_its_instance():
         harness.spawn(Trainer(3).check, args=(4,), nprocs=2)
 
 
+class Locked:
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def run(self, rank):
+        pass
+
+
+def test_a_bound_method_whose_instance_cannot_travel_says_so():
+    with pytest.raises(ValueError, match="the instance of the bound method Locked.run cannot"):
+        harness.spawn(Locked().run, nprocs=1)
+
+
 def test_the_pool_calls_a_bound_method_on_its_instance(rank_pool):
     assert rank_pool.run(Trainer(5).pooled) == [0, 5]
 
@@ -593,7 +607,7 @@ def test_second_use(server):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH, test_served=SERVED_BY_A_FIXTURE)
     result = inner.runpytest("-p", "harness", "-v", "-rs")
-    result.assert_outcomes(passed=14, errors=1, skipped=1)
+    result.assert_outcomes(passed=15, errors=1, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_like_torch.py:*: no data here"])
     result.stdout.fnmatch_lines(
         [
