@@ -339,6 +339,7 @@ class _Run:
         for slot in self.slots:
             self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
             self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
+            self.outcomes[slot.rank].log = tail(slot.files.log).rstrip("\n")
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
             o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys() or o.replace_after

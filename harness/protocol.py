@@ -288,6 +288,7 @@ class RankFiles:
     stderr: Path  # fd 2 of the rank
     stacks: Path  # faulthandler's dump on DUMP_STACKS_SIGNAL
     where: Path  # the where-buffer (WHERE_SIZE bytes, memory-mapped by the rank)
+    log: Path  # the log records the rank captured during the run (RankSpec.log_capture)
 
     @classmethod
     def in_dir(cls, directory: Path, rank: int) -> RankFiles:
@@ -296,6 +297,7 @@ class RankFiles:
             directory / f"rank{rank}.err",
             directory / f"rank{rank}.stacks",
             directory / f"rank{rank}.where",
+            directory / f"rank{rank}.log",
         )
 
 

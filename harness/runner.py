@@ -59,7 +59,7 @@ class RankLeftovers(Exception):
 
 class RanksReplacedWarning(pytest.PytestWarning):
     """A rank test left daemon threads running, so its ranks were replaced before the next
-    test (about 0.1 s at 4 ranks); ``@pytest.mark.allow_leftovers("threads")`` keeps them."""
+    test (a start of new ranks); ``@pytest.mark.allow_leftovers("threads")`` keeps them."""
 
 
 class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone

@@ -67,15 +67,19 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         _calling.remove(item)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """Wait for the join=False runs the test's body started and never joined (the next test
-    would queue behind them on the same ranks and be blamed); one that failed is this test's
-    error. A run a fixture started is the fixture's: it may be joined at its teardown."""
-    mine = [context for context, owner in _started if owner is item]
-    _started[:] = [(context, owner) for context, owner in _started if owner is not item]
-    for context in mine:
-        context.raise_unless_joined()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """After the test's teardown (even one that raised), wait for the join=False runs its body
+    started and never joined (the next test would queue behind them on the same ranks and be
+    blamed); one that failed is this test's error. A run a fixture started is the fixture's:
+    it may be joined at its teardown."""
+    try:
+        return (yield)
+    finally:
+        mine = [context for context, owner in _started if owner is item]
+        _started[:] = [(context, owner) for context, owner in _started if owner is not item]
+        for context in mine:
+            context.raise_unless_joined()
 
 
 def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:

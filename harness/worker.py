@@ -87,6 +87,7 @@ def main(conn: Any, files: RankFiles) -> None:
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
     _redirect_output(files)
+    rank_logs.use_file(files.log)
     _watch_stacks(files.stacks)
     where = _WhereBoard(str(files.where))
     where.install()
@@ -106,6 +107,7 @@ def main(conn: Any, files: RankFiles) -> None:
                 _teardown_group()  # peers still waiting on this rank fail now
             continue
         _truncate_output()
+        rank_logs.empty()
         outcome = _serve(message.payload)
         _end_if_a_forked_copy(None)  # one made in a fixture's teardown, say: it never reports
         _flush()
@@ -275,13 +277,12 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
             with (
-                rank_logs.capturing(task.spec.log_capture) as logged,
+                rank_logs.capturing(task.spec.log_capture),
                 Injector(task.rank, call.faults).installed() as injector,
                 rank_warnings.stray_exceptions() as stray,
             ):
                 outcome = _run_target(task, call, injector, stray)
         outcome.warnings = rank_warnings.collected(log)
-        outcome.log = logged()
         group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them

@@ -507,6 +507,16 @@ def test_z_an_unjoined_spawn_that_fails_errors_at_its_tests_teardown():
     harness.spawn(fails_on_rank_1, nprocs=2, join=False)  # never joined: its failure is ours
 
 
+@pytest.fixture
+def breaks_at_teardown():
+    yield
+    raise RuntimeError("the fixture's teardown broke")
+
+
+def test_z_an_unjoined_failure_is_kept_when_a_teardown_breaks(breaks_at_teardown):
+    harness.spawn(fails_on_rank_1, nprocs=2, join=False)
+
+
 def test_z_an_unjoined_spawn_that_passes_is_waited_for(tmp_path):
     harness.spawn(noop, nprocs=2, join=False)
 
@@ -607,7 +617,14 @@ def test_second_use(server):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH, test_served=SERVED_BY_A_FIXTURE)
     result = inner.runpytest("-p", "harness", "-v", "-rs")
-    result.assert_outcomes(passed=15, errors=1, skipped=1)
+    result.assert_outcomes(passed=16, errors=2, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_z_an_unjoined_failure_is_kept*",
+            "*the fixture's teardown broke*",
+            "*rank 1 of the unjoined run fails*",
+        ]
+    )
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_like_torch.py:*: no data here"])
     result.stdout.fnmatch_lines(
         [

@@ -859,6 +859,30 @@ def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytest
     assert "torch says 1" in stderr and "careful" not in stderr
 
 
+def test_a_rank_that_hangs_or_dies_keeps_its_captured_log(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import logging, os, threading, pytest
+
+        @pytest.mark.ranks(2, timeout=2)
+        def test_hangs(rank):
+            logging.warning("about to wait on rank %d", rank)
+            if rank == 1:
+                threading.Event().wait()
+
+        @pytest.mark.ranks(2)
+        def test_dies(rank):
+            logging.error("fatal state on rank %d", rank)
+            if rank == 1:
+                os._exit(3)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*rank 1*hung*", "*about to wait on rank 1*"])
+    result.stdout.fnmatch_lines(["*rank 1*exited with status 3*", "*fatal state on rank 1*"])
+
+
 def test_a_ranks_captured_log_keeps_its_tail_as_its_streams_do(inner: pytest.Pytester) -> None:
     inner.makeini("[pytest]\nrank_timeout = 30\nlog_format = %(message)s\n")
     inner.makepyfile(
@@ -873,7 +897,7 @@ def test_a_ranks_captured_log_keeps_its_tail_as_its_streams_do(inner: pytest.Pyt
     )
     result = inner.runpytest("-p", "harness", "-rP")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*characters cut ...]*", "line 019999"])
+    result.stdout.fnmatch_lines(["*bytes cut ...]*", "line 019999"])
     result.stdout.no_fnmatch_line("line 000000")
 
 
