@@ -8,9 +8,10 @@ the exception the rank raised. Runs only in ranks; the pytest process never impo
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -124,7 +125,8 @@ def run_continuous_case(
     cls = find(case)
     results = _Results()
     try:
-        cls._worker_loop(rank, world_size, rdvz_file, _OneTask(test_id), results)
+        with _every_rank_set_up_before_the_test(cls):
+            cls._worker_loop(rank, world_size, rdvz_file, _OneTask(test_id), results)
     finally:
         # The base keeps the group on the class; while it does, tearing the group down
         # leaves its connections open and peers blocked on this rank wait instead of failing.
@@ -134,6 +136,46 @@ def run_continuous_case(
         raise pytest.skip.Exception(str(result) or "skipped")
     if isinstance(result, BaseException):
         raise (result.__cause__ or result) from None
+
+
+@contextlib.contextmanager
+def _every_rank_set_up_before_the_test(cls: Any) -> Iterator[None]:
+    """The class's ``_init_pg``, then a wait until every rank has finished its own.
+
+    The base sets its group up once per class; here each test sets it up and tears it down.
+    A rank whose test does no collective would otherwise tear its group down while a slower
+    peer is still connecting, and that peer fails in its set-up, blamed on the test.
+    """
+    own = cls.__dict__.get("_init_pg")
+    init_pg = cls._init_pg  # bound to the class, a subclass's override included
+
+    def init_then_wait(klass: Any, rank: int, world_size: int, rdvz_file: str) -> None:
+        init_pg(rank, world_size, rdvz_file)
+        _wait_for_every_rank(rank, world_size)
+
+    cls._init_pg = classmethod(init_then_wait)
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls._init_pg
+        else:
+            cls._init_pg = own
+
+
+def _wait_for_every_rank(rank: int, world_size: int) -> None:
+    """Each rank marks its set-up done in the group's store and waits for the others'.
+
+    Bounded by the store's timeout (the class's group timeout) and by the run's deadline.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # the class's own set-up made no default group
+        return
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"rankwise/set_up/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    store.wait(keys)
 
 
 # ---- harness.spawn and rank_pool ------------------------------------------------------------

@@ -339,6 +339,78 @@ def test_continuous_cases_run_one_by_one_and_a_failure_poisons_nothing(
     )
 
 
+CONTINUOUS_WITHOUT_COLLECTIVES = """
+from torch.testing._internal.common_distributed import MultiProcContinuousTest, TEST_SKIPS
+
+
+class TestNoCollectives(MultiProcContinuousTest):
+    world_size = 4
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+
+def _returns(self):
+    pass
+
+
+def _skips(self):
+    raise SystemExit(TEST_SKIPS["no_cuda"].exit_code)
+
+
+for i in range(12):
+    setattr(TestNoCollectives, f"test_returns_{i}", _returns)
+    setattr(TestNoCollectives, f"test_skips_{i}", _skips)
+"""
+
+
+@pytest.mark.slow
+def test_continuous_cases_with_no_collective_never_break_a_slower_ranks_set_up(
+    inner: pytest.Pytester,
+) -> None:
+    # Each adopted test sets the class's group up and tears it down: a rank whose test does
+    # no collective must not close its connections while a peer is still connecting.
+    inner.makepyfile(test_quick=CONTINUOUS_WITHOUT_COLLECTIVES)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=12, skipped=12)
+
+
+CONTINUOUS_SLOW_SET_UP = """
+import os, time
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
+SET_UP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank1_set_up")
+
+
+class TestSlowSetUp(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def _init_pg(cls, rank, world_size, rdvz_file):
+        super()._init_pg(rank, world_size, rdvz_file)
+        if rank == 1:
+            time.sleep(1)  # a straggler still finishing its set-up
+            open(SET_UP, "w").close()
+
+    def test_starts_once_every_rank_is_set_up(self):
+        assert os.path.exists(SET_UP), "rank 0 started before rank 1 was set up"
+"""
+
+
+@pytest.mark.slow
+def test_an_adopted_continuous_test_starts_once_every_rank_is_set_up(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(test_slow_set_up=CONTINUOUS_SLOW_SET_UP)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=1)
+
+
 SPAWN_AND_POOL = """
 import os, sys, pytest, torch, torch.distributed as dist
 import harness
