@@ -22,7 +22,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +94,8 @@ class LaunchedSession:
         self.peers: Peers | None = None
         self.index = -1  # the current test's place in the collected order (every rank alike)
         self.calls = 0  # run_on_ranks calls so far in the current test
+        self.own_groups = 0  # groups the current test set up from the environment so far
+        self.restore_rendezvous: Callable[[], None] = lambda: None  # torch's env:// handler
         self.stage = -1  # where this rank is: 2 * index in a test, 2 * index + 1 finishing it
         self.current = ""  # the node id of the test running now
         self.collected: list[str] = []
@@ -203,6 +205,7 @@ class LaunchedSession:
         self.done.add(nodeid)
         self.index = self.collected.index(nodeid) if nodeid in self.collected else self.index
         self.calls = 0
+        self.own_groups = 0
         self.at(2 * self.index)
 
     def at(self, stage: int) -> None:
@@ -216,6 +219,13 @@ class LaunchedSession:
 
     def test_key(self) -> str:
         return f"t{self.index}"
+
+    def own_group_prefix(self) -> str:
+        """The store prefix of the next group the current test sets up from torchrun's
+        environment (see launched_rendezvous): the test and how many came before."""
+        assert self.peers is not None
+        self.own_groups += 1
+        return f"{self.peers.prefix}/own_groups/t{self.index}/{self.own_groups}"
 
     def call_key(self) -> str:
         """The store keys' prefix of the next run_on_ranks call in the current test."""

@@ -59,6 +59,9 @@ def session_start(session: pytest.Session) -> None:
     from harness import faults
 
     launched.connect()
+    from harness.launched_rendezvous import give_each_set_up_its_keys
+
+    launched.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
     launched.watch.install()
     faults.before_fatal = launched.note_death
     launched.agree_on_backend()
@@ -249,7 +252,8 @@ def shared_path(request: pytest.FixtureRequest, make: Callable[[], Path], timeou
 
 def session_finish(session: pytest.Session) -> None:
     launched = _session(session.config)
-    if launched is not None and launched.store is not None:
+    if launched is not None and launched.peers is not None:
+        launched.restore_rendezvous()
         launched.agree_on_exit(session)
 
 

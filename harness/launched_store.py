@@ -42,8 +42,8 @@ class Peers:
         # A restart after a membership change keeps TORCHELASTIC_RESTART_COUNT: count the
         # arrivals instead, so a new attempt never reads the last one's keys.
         arrival = base.add(f"harness/{launch.run_key}/arrivals", 1) - 1
-        prefix = f"harness/{launch.run_key}/{arrival // launch.world_size}"
-        self.store: Any = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        self.prefix = f"harness/{launch.run_key}/{arrival // launch.world_size}"
+        self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
         self.rank, self.world_size = launch.rank, launch.world_size
         self.stopping = False  # set when the launcher's SIGTERM came
         self.position: Callable[[], int] = lambda: 0  # where this rank is (see at/<rank>)

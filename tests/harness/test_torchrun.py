@@ -623,3 +623,118 @@ def test_a_failed_init_leaves_no_trace_and_a_partial_skip_is_no_pass(
         "test_e_skipped_everywhere": "skipped",
     }, out
     assert "rank 1 skipped this test (rank 1 has no data) while rank 0 ran it" in out, out
+
+
+# ---- tests that set their own group up from torchrun's environment ------------------------
+
+OWN_GROUPS = """
+import time
+
+
+def straggle_on_rank_0():
+    if os.environ["RANK"] == "0":
+        time.sleep(1)  # rank 1 reaches the rendezvous first, where the last group's keys are
+
+
+def own_group_all_reduce(straggle):
+    if straggle:
+        straggle_on_rank_0()
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+    dist.destroy_process_group()
+
+
+@pytest.mark.ranks(2, launch=True)
+@pytest.mark.parametrize("straggle", [False, True])
+def test_launch_mode(rank, straggle):
+    own_group_all_reduce(straggle)
+
+
+@pytest.mark.parametrize("straggle", [False, True])
+def test_plain(straggle):
+    own_group_all_reduce(straggle)
+
+
+@pytest.fixture(scope="module")
+def module_group():
+    straggle_on_rank_0()
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_module_group(module_group):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+OWN_GROUPS_NEXT_MODULE = """
+import time
+
+
+@pytest.fixture(scope="module")
+def module_group():
+    if os.environ["RANK"] == "0":
+        time.sleep(1)
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_next_module_group(module_group):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+
+@pytest.mark.slow
+def test_each_group_a_test_sets_up_from_the_environment_meets_on_fresh_keys(
+    pytester: pytest.Pytester,
+) -> None:
+    """torchrun's agent store outlives every group: a test's init_process_group() read the
+    last group's addresses there when its peer came late, failed to connect, and left the
+    peer hung (the session ended)."""
+    directory = write(pytester, test_a=OWN_GROUPS, test_b=OWN_GROUPS_NEXT_MODULE)
+    result = torchrun(directory, 2, "--rank-timeout", "30")
+    assert junit_cases(result.junit) == {
+        "test_launch_mode[ranks2-False]": "passed",
+        "test_launch_mode[ranks2-True]": "passed",
+        "test_plain[False]": "passed",
+        "test_plain[True]": "passed",
+        "test_module_group": "passed",
+        "test_next_module_group": "passed",
+    }, result.output
+
+
+def test_an_env_rendezvous_gets_the_prefix_it_is_given_until_undone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    from harness.launched_rendezvous import give_each_set_up_its_keys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    prefixes = iter(["t3/1", "t3/2"])
+    undo = give_each_set_up_its_keys(lambda: next(prefixes))
+    try:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        assert (rank, world_size) == (0, 1)
+        store.set("rank_0", "here")
+        raw = dist.TCPStore("127.0.0.1", port, is_master=False)
+        assert raw.get("t3/1/rank_0") == b"here"
+        assert raw.check(["rank_0"]) is False
+    finally:
+        undo()
+    store, _, _ = next(dist.rendezvous("env://"))
+    assert type(store).__name__ == "TCPStore"  # torch's own handler is back
