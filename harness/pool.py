@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -274,6 +274,7 @@ class Pool:
         """
         completed = False
         try:
+            _tell_starting(self.pids)
             outcomes = _Run(self, tasks, tasks[0].spec.timeout_s, live).collect()
             completed = True
             return outcomes
@@ -287,6 +288,27 @@ class Pool:
         for slot in self.slots:
             slot.kill()
         self.slots = []
+
+
+# Who wants to know which processes a run on this thread goes to (harness.spawn(join=False)
+# hands them out while the run goes on, as torch's context does), by thread.
+_start_listeners: dict[int, Callable[[list[int]], None]] = {}
+
+
+@contextlib.contextmanager
+def telling_starts(listener: Callable[[list[int]], None]) -> Iterator[None]:
+    """Call `listener` with the rank processes of each run this thread starts while inside."""
+    _start_listeners[threading.get_ident()] = listener
+    try:
+        yield
+    finally:
+        _start_listeners.pop(threading.get_ident(), None)
+
+
+def _tell_starting(pids: list[int]) -> None:
+    listener = _start_listeners.get(threading.get_ident())
+    if listener is not None:
+        listener(list(pids))
 
 
 class _Run:

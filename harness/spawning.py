@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from harness import adopt_rank, rank_warnings, runner
+from harness import adopt_rank, pool, rank_warnings, runner
 from harness.errors import SpecError, invalid
 from harness.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.protocol import RankSpec, Target, encode_args
@@ -165,7 +165,7 @@ def spawn(
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
     target = runner.function_target(adopt_rank.run_spawned)
-    context = SpawnContext(lambda: runner.run(config, spec, target, blob))
+    context = SpawnContext(lambda: runner.run(config, spec, target, blob), spec.timeout_s)
     if not join:
         _started.append((context, _calling[-1] if _calling else None))
         return context
@@ -183,22 +183,37 @@ def _nprocs(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
 class SpawnContext:
     """A started :func:`spawn` run, joined like torch's ``ProcessContext``."""
 
-    def __init__(self, run: Callable[[], list[RankOutcome]]) -> None:
+    def __init__(self, run: Callable[[], list[RankOutcome]], start_bound_s: float) -> None:
         self.outcomes: list[RankOutcome] = []
         self._error: BaseException | None = None
         self._joined = False  # a join() saw the run's end (and raised its failure, if any)
+        self._pids: list[int] = []
+        self._started = threading.Event()  # the ranks are chosen (or the run ended before)
+        self._start_bound_s = start_bound_s
         self._thread = threading.Thread(target=self._run, args=(run,), name="harness-spawn")
         self._thread.start()
 
     def _run(self, run: Callable[[], list[RankOutcome]]) -> None:
         try:
-            self.outcomes = run()
+            with pool.telling_starts(self._starting):
+                self.outcomes = run()
         except BaseException as exc:  # handed to join(), in the caller's thread
             self._error = exc
+        finally:
+            self._started.set()
+
+    def _starting(self, pids: list[int]) -> None:
+        self._pids = pids
+        self._started.set()
 
     def pids(self) -> list[int]:
-        """The rank processes that ran ``fn`` (known once the run has ended)."""
-        return [o.pid for o in self.outcomes]
+        """The rank processes running ``fn``, in rank order, as soon as the run has them (a
+        test may signal one); those that ran it once the run has ended."""
+        if self.outcomes:
+            return [o.pid for o in self.outcomes]
+        # Starting ranks takes seconds at most (a cold session's first): bounded by the run's.
+        self._started.wait(self._start_bound_s)
+        return [o.pid for o in self.outcomes] or list(self._pids)
 
     def join(self, timeout: float | None = None) -> bool:
         """True when every rank returned; False while the run goes on; raises for a failure."""

@@ -499,7 +499,7 @@ def test_spawn_and_pool_keep_their_callers_assertions(inner: pytest.Pytester) ->
 
 # Found by an adversarial pass over suites written for mp.spawn: each passed (a false green).
 SPAWN_LIKE_TORCH = """
-import os, random, numpy, pytest, torch, torch.distributed as dist
+import os, random, signal, numpy, pytest, torch, torch.distributed as dist
 from datetime import timedelta
 import harness
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
@@ -615,6 +615,22 @@ def test_two_spawns_at_once_each_get_their_own_ranks(tmp_path):
     assert serving.join(timeout=60)
 
 
+def waits_to_be_killed(i, path):
+    store = dist.FileStore(path, 2)
+    store.set_timeout(timedelta(seconds=30))
+    store.wait(["never set"])
+
+
+def test_a_running_spawns_pids_can_be_signalled(tmp_path):
+    context = harness.spawn(waits_to_be_killed, args=(str(tmp_path / "s"),), nprocs=2, join=False)
+    pids = context.pids()  # torch's context knows them at once: a test may kill one
+    assert len(pids) == 2 and os.getpid() not in pids
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGKILL") as info:
+        context.join(timeout=60)
+    assert info.value.error_pid == pids[1] and context.pids() == pids
+
+
 def half_collective(i, path):
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=i, world_size=2)
     if i == 0:
@@ -689,7 +705,7 @@ def test_second_use(server):
 def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester) -> None:
     inner.makepyfile(test_like_torch=SPAWN_LIKE_TORCH, test_served=SERVED_BY_A_FIXTURE)
     result = inner.runpytest("-p", "harness", "-v", "-rs")
-    result.assert_outcomes(passed=16, errors=2, skipped=1)
+    result.assert_outcomes(passed=17, errors=2, skipped=1)
     result.stdout.fnmatch_lines(
         [
             "*ERROR at teardown of test_z_an_unjoined_failure_is_kept*",
