@@ -278,6 +278,12 @@ class LaunchedSession:
         )
         self._group = dist.group.WORLD
 
+    def set_own_group_aside(self) -> None:
+        """No harness group for the next test: destroy the session's own group if it is the
+        default one; a group the test's fixtures set up is theirs and stays."""
+        if self.has_group() or not dist.is_initialized():
+            self.drop_group()
+
     def drop_group(self) -> None:
         if dist.is_initialized():
             with contextlib.suppress(Exception):

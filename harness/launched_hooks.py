@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from harness.launch_detect import Launch
-from harness.outcome import ranks_phrase
+from harness.outcome import ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
 from harness.settings import settings_of
 
@@ -99,11 +99,11 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
 
 
 def plain_set_up(item: pytest.Item) -> None:
-    """A test without ranks sees no process group, as in a plain session (the next ranks
-    test sets one up again)."""
+    """A test without ranks sees none of the harness's process group, as in a plain session
+    (the next ranks test sets one up again); a group its fixtures set up stays."""
     launched = _session(item.config)
     if launched is not None:
-        launched.drop_group()
+        launched.set_own_group_aside()
 
 
 def begin(item: pytest.Item) -> None:
@@ -144,7 +144,8 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         "xfail": getattr(report, "wasxfail", None),  # an xfail is reported as a skip
         "reason": _skip_reason(report),
     }
-    found = launched.gather(f"{launched.test_key()}/plain", json.dumps(mine), PLAIN_WAIT_S)
+    with _harness_wait(item):
+        found = _gather_releasing_peers(launched, report, json.dumps(mine))
     if launched.absent:
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
         launched.lost.update(launched.absent)
@@ -162,8 +163,68 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         here = f"it did not fail on rank {launched.rank}"
         report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
         return
+    if report.outcome == "failed" and report_looks_collateral(report.longreprtext):
+        causes = [(r, t) for r, t in failed if not report_looks_collateral(t["text"])]
+        if causes:  # this rank failed because a peer did: report the peer's failure
+            rank, theirs = causes[0]
+            here = _error_line(report.longreprtext)
+            report.longrepr = (
+                f"rank {rank} failed this test (root cause); rank {launched.rank} collateral "
+                f"({here}):\n{theirs['text']}"
+            )
+        return
     if report.outcome != "failed":
         _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
+
+
+# How long a rank whose test failed waits for its peers' verdicts before it leaves the
+# process group its fixtures set up: a peer still in the test is then most likely blocked in
+# a collective on it, and fails at once instead of at the group's timeout.
+RELEASE_AFTER_S = 1.0
+
+
+def _gather_releasing_peers(
+    launched: LaunchedSession, report: pytest.TestReport, mine: str
+) -> list[bytes | None]:
+    key = f"{launched.test_key()}/plain"
+    if not report.failed:
+        return launched.gather(key, mine, PLAIN_WAIT_S)
+    found = launched.gather(key, mine, RELEASE_AFTER_S)
+    if launched.absent:
+        launched.drop_group()
+        found = launched.gather(key, None, PLAIN_WAIT_S)
+    return found
+
+
+def _harness_wait(item: pytest.Item) -> contextlib.AbstractContextManager[None]:
+    """pytest-timeout off while this rank waits for its peers: a slow peer's own timer
+    fires in its own test, and this rank then reports it (not a timeout in the harness)."""
+    from harness import runner
+
+    return runner.pytest_timeout_paused(item)
+
+
+def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
+    """A teardown that failed on any rank is the test's error on every rank, naming the
+    rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
+    launched = _session(item.config)
+    if launched is None or launched.peers is None:
+        return
+    mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
+    with _harness_wait(item):
+        found = launched.gather(f"{launched.test_key()}/teardown", json.dumps(mine), PLAIN_WAIT_S)
+    theirs = [
+        (r, json.loads(blob))
+        for r, blob in enumerate(found)
+        if blob is not None and r != launched.rank
+    ]
+    failed = [(r, t["text"]) for r, t in theirs if t["failed"]]
+    if failed and not report.failed:
+        rank, text = failed[0]
+        report.outcome = "failed"
+        report.longrepr = (
+            f"rank {rank}'s teardown failed (it did not fail on rank {launched.rank}):\n{text}"
+        )
 
 
 def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any]]) -> None:
@@ -186,6 +247,14 @@ def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any
     elif xfailed and report.outcome == "passed":
         report.outcome = "skipped"
         report.wasxfail = outcomes[xfailed[0]]["xfail"]
+
+
+def _error_line(text: str) -> str:
+    """The first "E   ..." line of a pytest failure report: the exception, in a line."""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:300]
+    return text.strip().splitlines()[-1][:300] if text.strip() else "failed"
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -50,7 +50,7 @@ def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -
 
 def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
-        session.drop_group()  # the test sets its own up, from torchrun's environment
+        session.set_own_group_aside()  # the test sets its own up, from torchrun's environment
     elif not session.agree_on_group(key, ARRIVE_S, spec.fresh_group):
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
         raise runner.HarnessError(
@@ -73,7 +73,8 @@ def agree_on_set_up(
     said = "" if error is None else _said(error)
     if error is not None and type(error).__name__ != "Skipped":
         session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
-    found = session.gather(f"{key}/setup", said, ARRIVE_S)
+    with runner.pytest_timeout_paused(item):  # a slow peer's set-up is its own to time
+        found = session.gather(f"{key}/setup", said, ARRIVE_S)
     by_rank = {r: (blob.decode() if blob is not None else None) for r, blob in enumerate(found)}
     failed = {r: s for r, s in by_rank.items() if s}
     if any(s is None for s in by_rank.values()):
@@ -185,6 +186,7 @@ def _run_here(
 ) -> tuple[RankOutcome, bool]:
     before = hygiene.snapshot()
     children = set(reaper.leftovers(os.getpid()))  # a session fixture's own: not the test's
+    fixtures_group = dist.group.WORLD if spec.launch and dist.is_initialized() else None
     where = Where()
     with (
         HangTimer(session.watch, key, spec.timeout_s, where),
@@ -196,7 +198,8 @@ def _run_here(
     outcome.warnings = rank_warnings.collected(log)
     outcome.stdout, outcome.stderr = _captured(item.config)
     group_ok = spec.launch or session.has_group()
-    group_left = spec.launch and dist.is_initialized()
+    # A launch=True body's own group is its leftover; one its fixtures set up is theirs.
+    group_left = spec.launch and dist.is_initialized() and dist.group.WORLD is not fixtures_group
     if group_left:
         session.drop_group()
     left = {pid: line for pid, line in reaper.leftovers(os.getpid()).items() if pid not in children}

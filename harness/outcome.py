@@ -52,6 +52,14 @@ _OWN_NETWORK_ERROR_TEXT = re.compile(
 )
 
 
+def report_looks_collateral(text: str) -> bool:
+    """Whether a pytest failure report (its text alone) reads as a peer going away inside
+    torch.distributed, as RankOutcome.looks_collateral judges a rank's exception."""
+    if _OWN_NETWORK_ERROR_TEXT.search(text) or "torch/distributed/" not in text:
+        return False
+    return bool(_PEER_ERROR_TEXT.search(text))
+
+
 @dataclass(frozen=True)
 class RankWarning:
     """A warning a rank recorded (not an error under the test's filters)."""

@@ -156,6 +156,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
     if verdict_phase and _spec_key not in item.stash and launched_hooks.active(item.config):
         launched_hooks.plain_verdict(item, report)
+    if call.when == "teardown" and launched_hooks.active(item.config):
+        launched_hooks.teardown_verdict(item, report)
     return report
 
 

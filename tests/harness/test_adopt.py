@@ -626,7 +626,8 @@ def test_a_running_spawns_pids_can_be_signalled(tmp_path):
     pids = context.pids()  # torch's context knows them at once: a test may kill one
     assert len(pids) == 2 and os.getpid() not in pids
     os.kill(pids[1], signal.SIGKILL)
-    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGKILL") as info:
+    killed = "process 1 terminated with signal SIGKILL"
+    with pytest.raises(ProcessExitedException, match=killed) as info:
         context.join(timeout=60)
     assert info.value.error_pid == pids[1] and context.pids() == pids
 

@@ -738,3 +738,136 @@ def test_an_env_rendezvous_gets_the_prefix_it_is_given_until_undone(
         undo()
     store, _, _ = next(dist.rendezvous("env://"))
     assert type(store).__name__ == "TCPStore"  # torch's own handler is back
+
+
+# ---- found by an adversarial pass over existing torchrun suites ----------------------------
+
+FIXTURE_MADE_GROUPS = """
+@pytest.fixture(scope="session")
+def pg():
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_plain(pg):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+def test_b_plain_again(pg):
+    assert dist.get_world_size() == 2
+
+
+@pytest.mark.ranks(launch=True)
+def test_c_launch_mode(rank, pg):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+@pytest.mark.ranks(launch=True)
+def test_d_launch_mode_again(rank, pg):
+    assert dist.is_initialized()
+"""
+
+
+@pytest.mark.slow
+def test_a_group_a_fixture_set_up_is_the_fixtures(pytester: pytest.Pytester) -> None:
+    """The harness destroyed the default group before each test without ranks and each
+    launch=True test, whoever made it: a session fixture's group was gone from the second
+    test on, and a launch=True test was blamed for leaving the fixture's group."""
+    result = torchrun(write(pytester, test_pg=FIXTURE_MADE_GROUPS), 2, "--rank-timeout", "30")
+    assert junit_cases(result.junit) == {
+        "test_a_plain": "passed",
+        "test_b_plain_again": "passed",
+        "test_c_launch_mode": "passed",
+        "test_d_launch_mode_again": "passed",
+    }, result.output
+    assert result.returncode == 0, result.output
+
+
+TEARDOWN_ON_ONE_RANK = """
+@pytest.fixture
+def breaks_on_rank_1():
+    yield
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("teardown broke on rank 1")
+
+
+def test_a_plain(breaks_on_rank_1):
+    pass
+
+
+@pytest.mark.ranks(2)
+def test_b_ranks(rank, breaks_on_rank_1):
+    pass
+
+
+def test_c_after():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_teardown_that_fails_on_one_rank_is_an_error_everywhere(
+    pytester: pytest.Pytester,
+) -> None:
+    """Only the body's outcome was exchanged: rank 0 reported "2 passed" (junit too) while
+    rank 1's teardown had failed, shown nowhere, and every process exited 1."""
+    result = torchrun(write(pytester, test_td=TEARDOWN_ON_ONE_RANK), 2, "--rank-timeout", "30")
+    assert junit_cases(result.junit) == {
+        "test_a_plain": "error",
+        "test_b_ranks[ranks2]": "error",
+        "test_c_after": "passed",
+    }, result.output
+    assert "rank 1's teardown failed" in result.output, result.output
+    assert "teardown broke on rank 1" in result.output, result.output
+
+
+FAILS_WHILE_A_PEER_WAITS = """
+import time
+
+
+@pytest.fixture
+def pg():
+    dist.init_process_group("gloo")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_fails_on_rank_1(pg):
+    if dist.get_rank() == 1:
+        assert False, "rank 1 broke"
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits for rank 1, which never comes
+
+
+def test_b_slow_on_rank_1():
+    if os.environ["RANK"] == "1":
+        time.sleep(4)  # past --timeout on rank 1 only
+
+
+def test_c_after():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Pytester) -> None:
+    """A test without ranks that failed on rank 1 waited for rank 0's verdict while rank 0
+    waited for rank 1 in all_reduce (gloo's 30 minutes); the rank that waited for a slow
+    peer hit pytest-timeout in the harness's own wait: an INTERNALERROR, no tests ran."""
+    directory = write(pytester, test_wait=FAILS_WHILE_A_PEER_WAITS)
+    result = torchrun(directory, 2, "--rank-timeout", "30", "--timeout", "2")
+    assert junit_cases(result.junit) == {
+        "test_a_fails_on_rank_1": "failure",
+        "test_b_slow_on_rank_1": "failure",
+        "test_c_after": "passed",
+    }, result.output
+    assert "INTERNALERROR" not in result.output, result.output
+    assert "rank 1 failed this test (root cause); rank 0 collateral" in result.output
+    assert "rank 1 broke" in result.output, result.output
+    assert "Timeout" in result.output, result.output
