@@ -143,6 +143,7 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         "text": report.longreprtext[-4000:],
         "xfail": getattr(report, "wasxfail", None),  # an xfail is reported as a skip
         "reason": _skip_reason(report),
+        "sections": [(title, text[-4000:]) for title, text in report.sections],
     }
     with _harness_wait(item):
         found = _gather_releasing_peers(launched, report, json.dumps(mine))
@@ -162,6 +163,7 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         report.outcome = "failed"
         here = f"it did not fail on rank {launched.rank}"
         report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
+        _add_sections(report, rank, theirs)
         return
     if report.outcome == "failed" and report_looks_collateral(report.longreprtext):
         causes = [(r, t) for r, t in failed if not report_looks_collateral(t["text"])]
@@ -172,6 +174,7 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
                 f"rank {rank} failed this test (root cause); rank {launched.rank} collateral "
                 f"({here}):\n{theirs['text']}"
             )
+            _add_sections(report, rank, theirs)
         return
     if report.outcome != "failed":
         _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
@@ -247,6 +250,12 @@ def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any
     elif xfailed and report.outcome == "passed":
         report.outcome = "skipped"
         report.wasxfail = outcomes[xfailed[0]]["xfail"]
+
+
+def _add_sections(report: pytest.TestReport, rank: int, theirs: dict[str, Any]) -> None:
+    """The failing rank's captured output and logs, beside this rank's own."""
+    for title, text in theirs.get("sections", []):
+        report.sections.append((f"{title} [rank {rank}]", text))
 
 
 def _error_line(text: str) -> str:

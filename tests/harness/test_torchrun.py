@@ -839,6 +839,7 @@ def pg():
 
 
 def test_a_fails_on_rank_1(pg):
+    print(f"hello from {dist.get_rank()}")
     if dist.get_rank() == 1:
         assert False, "rank 1 broke"
     t = torch.ones(1)
@@ -870,4 +871,6 @@ def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Py
     assert "INTERNALERROR" not in result.output, result.output
     assert "rank 1 failed this test (root cause); rank 0 collateral" in result.output
     assert "rank 1 broke" in result.output, result.output
+    assert "Captured stdout call [rank 1]" in result.output, result.output
+    assert "hello from 1" in result.output, result.output
     assert "Timeout" in result.output, result.output
