@@ -70,7 +70,7 @@ class _Session:
 
 
 _session_key = pytest.StashKey[_Session]()
-_timeout_key = pytest.StashKey[float]()  # an adopted test's bound, read before ours is marked
+_timeout_key = pytest.StashKey[float]()  # an adopted test's bound for its ranks, read at collection
 
 
 def _session(config: pytest.Config) -> _Session:
@@ -83,7 +83,8 @@ def _session(config: pytest.Config) -> _Session:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One timer only for adopted tests: the harness's, which reports every rank's stack."""
+    """Each adopted test's bound for its ranks (the harness's timer, which reports every
+    rank's stack); pytest-timeout's still bounds what runs in this process around them."""
     if "torch" not in settings_of(config).adopt:
         return
     settings = settings_of(config)
@@ -93,8 +94,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
             torchs = _torchs_timeout(item)
             item.stash[_timeout_key] = timeout_for(settings, None, "", item, torchs)
-        if item.get_closest_marker("timeout") is not None or settings.pytest_timeout_s:
-            item.add_marker(pytest.mark.timeout(0), append=False)
 
 
 def _torchs_timeout(item: pytest.Item) -> float:
@@ -330,12 +329,16 @@ def _run_and_judge(
     item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     case: Target = args[0]
-    outcomes = _load_once(item, spec, case)
-    if all(o.ok for o in outcomes):
-        target = runner.function_target(entry)
-        outcomes = runner.run(item.config, spec, target, encode_args(args, {"rank": None}))
+    # The harness's timer bounds the ranks; pytest-timeout's the class's own setUp and
+    # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
+    with runner.pytest_timeout_paused(item):
+        outcomes = _load_once(item, spec, case)
+        if all(o.ok for o in outcomes):
+            target = runner.function_target(entry)
+            outcomes = runner.run(item.config, spec, target, encode_args(args, {"rank": None}))
     rank_warnings.reemit(outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
+    runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
     judge(item, spec, outcomes)
 
 

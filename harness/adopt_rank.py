@@ -127,6 +127,11 @@ def run_continuous_case(
     try:
         with _every_rank_set_up_before_the_test(cls):
             cls._worker_loop(rank, world_size, rdvz_file, _OneTask(test_id), results)
+    except Exception:
+        # A set-up that exited with a skip status made no group, and the loop's end then
+        # fails to destroy it: torch's dispatcher has read the skip by then and never looks.
+        if not (results.items and isinstance(results.items[0], unittest.SkipTest)):
+            raise
     finally:
         # The base keeps the group on the class; while it does, tearing the group down
         # leaves its connections open and peers blocked on this rank wait instead of failing.

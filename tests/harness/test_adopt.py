@@ -845,3 +845,91 @@ class TestTimeouts(TwoRanks):
     result = pytester.runpytest("-p", "harness", "--rank-adopt", "torch")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["still running at the 2 s timeout; killed"])
+
+
+# ---- found by an adversarial pass over adopted torch suites ---------------------------------
+
+ADOPTED_CORNERS = """
+import sys
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest, MultiProcessTestCase, TEST_SKIPS,
+)
+
+
+class TestNeedsGpus(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def _init_pg(cls, rank, world_size, rdvz_file):
+        sys.exit(TEST_SKIPS["multi-gpu-2"].exit_code)  # as FSDPTestContinuous does on CPU
+
+    def test_skipped_with_torchs_reason(self):
+        pass
+
+
+class TestPrints(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_passes_and_prints(self):
+        print(f"out of rank {self.rank}")
+"""
+
+
+@pytest.mark.slow
+def test_an_init_skip_skips_and_a_passing_ranks_output_is_kept(inner: pytest.Pytester) -> None:
+    """A continuous class whose _init_pg exits with a skip status failed (the base then
+    destroys a group that never was); a passing adopted test's rank output was dropped."""
+    inner.makepyfile(test_corners=ADOPTED_CORNERS)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rA")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED * Need at least 2 CUDA devices",
+            "*Captured stdout [[]rank 0[]] call*",
+            "out of rank 0",
+            "*Captured stdout [[]rank 1[]] call*",
+            "out of rank 1",
+        ]
+    )
+
+
+TEARDOWN_HANGS = """
+import time
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class TestTearDownHangs(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def tearDown(self):
+        if self.rank is None or self.rank < 0:  # the pytest process's own tearDown
+            time.sleep(60)  # waits for something that never comes
+        super().tearDown()
+
+    def test_body_passes(self):
+        pass
+"""
+
+
+@pytest.mark.slow
+def test_pytest_timeout_still_bounds_an_adopted_tests_own_set_up_and_tear_down(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_td=TEARDOWN_HANGS)
+    result = pytester.runpytest_subprocess(
+        "-p", "harness", "--rank-adopt", "torch", "--timeout", "5", timeout=120
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Timeout (>5.0s) from pytest-timeout*"])
