@@ -266,6 +266,22 @@ def _serve(task: RunTask) -> RankOutcome:
     return outcome
 
 
+DAEMONIC_END_WAIT_S = 1.0
+
+
+def _end_daemonic_children() -> None:
+    """For a run that stands for a process of its own (an adopted test, harness.spawn): end
+    its daemonic multiprocessing children as multiprocessing does at that process's exit;
+    they are not leftovers there. Others (and one that outlives SIGTERM) stay leftovers."""
+    import multiprocessing
+
+    daemonic = [child for child in multiprocessing.active_children() if child.daemon]
+    for child in daemonic:
+        child.terminate()
+    for child in daemonic:
+        child.join(DAEMONIC_END_WAIT_S)
+
+
 def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     """How the task ended here, and the environment it started with (None: not set yet)."""
     test_env: environment.Snapshot | None = None
@@ -284,6 +300,8 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
                 outcome = _run_target(task, call, injector, stray)
         outcome.warnings = rank_warnings.collected(log)
         group_left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
+        if task.spec.bare:
+            _end_daemonic_children()
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)

@@ -850,10 +850,14 @@ class TestTimeouts(TwoRanks):
 # ---- found by an adversarial pass over adopted torch suites ---------------------------------
 
 ADOPTED_CORNERS = """
-import sys
+import multiprocessing, sys, time
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest, MultiProcessTestCase, TEST_SKIPS,
 )
+
+
+def sleeps():
+    time.sleep(300)
 
 
 class TestNeedsGpus(MultiProcContinuousTest):
@@ -878,16 +882,21 @@ class TestPrints(MultiProcessTestCase):
 
     def test_passes_and_prints(self):
         print(f"out of rank {self.rank}")
+
+    def test_leaves_a_daemonic_child(self):
+        # multiprocessing ends it when torch's rank process exits: no leftover there
+        multiprocessing.get_context("fork").Process(target=sleeps, daemon=True).start()
 """
 
 
 @pytest.mark.slow
 def test_an_init_skip_skips_and_a_passing_ranks_output_is_kept(inner: pytest.Pytester) -> None:
     """A continuous class whose _init_pg exits with a skip status failed (the base then
-    destroys a group that never was); a passing adopted test's rank output was dropped."""
+    destroys a group that never was); a passing adopted test's rank output was dropped; a
+    daemonic child, which multiprocessing ends at the process's exit, was a leftover."""
     inner.makepyfile(test_corners=ADOPTED_CORNERS)
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-rA")
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=2, skipped=1)
     result.stdout.fnmatch_lines_random(
         [
             "SKIPPED * Need at least 2 CUDA devices",
