@@ -853,6 +853,17 @@ def test_b_slow_on_rank_1():
 
 def test_c_after():
     pass
+
+
+@pytest.fixture
+def slow_on_rank_1():
+    if os.environ["RANK"] == "1":
+        time.sleep(4)  # past --timeout on rank 1 only
+
+
+@pytest.mark.ranks(2)
+def test_d_set_up_slow_on_rank_1(rank, slow_on_rank_1):
+    pass
 """
 
 
@@ -867,8 +878,10 @@ def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Py
         "test_a_fails_on_rank_1": "failure",
         "test_b_slow_on_rank_1": "failure",
         "test_c_after": "passed",
+        "test_d_set_up_slow_on_rank_1[ranks2]": "error",
     }, result.output
     assert "INTERNALERROR" not in result.output, result.output
+    assert "rank 1's set-up failed (Failed: Timeout" in result.output, result.output
     assert "rank 1 failed this test (root cause); rank 0 collateral" in result.output
     assert "rank 1 broke" in result.output, result.output
     assert "Captured stdout call [rank 1]" in result.output, result.output
