@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -180,10 +181,10 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
 
 
-# How long a rank whose test failed waits for its peers' verdicts before it leaves the
-# process group its fixtures set up: a peer still in the test is then most likely blocked in
-# a collective on it, and fails at once instead of at the group's timeout.
-RELEASE_AFTER_S = 1.0
+# How often a rank whose test failed looks at the peers it still waits for: one blocked in
+# torch.distributed (a collective on this rank, which will never come) makes it leave its
+# process group, so the peer fails at once instead of at the group's timeout.
+RELEASE_CHECK_S = 1.0
 
 
 def _gather_releasing_peers(
@@ -192,10 +193,17 @@ def _gather_releasing_peers(
     key = f"{launched.test_key()}/plain"
     if not report.failed:
         return launched.gather(key, mine, PLAIN_WAIT_S)
-    found = launched.gather(key, mine, RELEASE_AFTER_S)
-    if launched.absent:
-        launched.drop_group()
-        found = launched.gather(key, None, PLAIN_WAIT_S)
+    assert launched.peers is not None
+    peers, start = launched.peers, time.monotonic()
+    found = launched.gather(key, mine, RELEASE_CHECK_S)
+    while launched.absent and time.monotonic() - start < PLAIN_WAIT_S:
+        waiting = [r for r in launched.absent if peers.still_in_this_test(r)]
+        if not waiting:
+            break
+        if any(peers.in_torch_distributed(r) for r in waiting):
+            launched.drop_group()
+            return launched.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
+        found = launched.gather(key, None, RELEASE_CHECK_S)
     return found
 
 

@@ -9,6 +9,8 @@ bound, and a few seconds at most once the launcher is stopping the job.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
 _ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
+_TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"  # a frame's file, in there
 
 
 class Peers:
@@ -66,8 +69,19 @@ class Peers:
                 self.store.delete_key(key)
 
     def beat(self) -> None:
-        """Say this rank is alive (a thread calls it every HEARTBEAT_S)."""
-        self.put(f"beat/{self.rank}", str(time.monotonic()))
+        """Say this rank is alive, and whether its main thread is inside torch.distributed
+        (a thread calls it every HEARTBEAT_S)."""
+        waiting = "c10d" if _main_thread_in_torch_distributed() else "-"
+        self.put(f"beat/{self.rank}", f"{time.monotonic()} {waiting}")
+
+    def in_torch_distributed(self, rank: int) -> bool:
+        """Whether `rank`'s main thread was inside torch.distributed at its last heartbeat
+        (most likely blocked in a collective)."""
+        return (self.read(f"beat/{rank}") or b"").endswith(b" c10d")
+
+    def still_in_this_test(self, rank: int) -> bool:
+        """Whether `rank` is alive and has not moved past this rank's place."""
+        return not self._silent(rank) and self._at(rank) <= self.position()
 
     def gather(
         self, name: str, value: bytes | str | None, seconds: float, skip: set[int]
@@ -155,3 +169,12 @@ class Peers:
         at = self._at(rank)
         where = "before the first test" if at < 0 else f"at {self.name_of(at)}"
         return f"it did not answer within {waited:.3g} s (it was {where})"
+
+
+def _main_thread_in_torch_distributed() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if _TORCH_DISTRIBUTED in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

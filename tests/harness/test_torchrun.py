@@ -848,7 +848,7 @@ def test_a_fails_on_rank_1(pg):
 
 def test_b_slow_on_rank_1():
     if os.environ["RANK"] == "1":
-        time.sleep(4)  # past --timeout on rank 1 only
+        time.sleep(8)  # past --timeout on rank 1 only
 
 
 def test_c_after():
@@ -858,7 +858,7 @@ def test_c_after():
 @pytest.fixture
 def slow_on_rank_1():
     if os.environ["RANK"] == "1":
-        time.sleep(4)  # past --timeout on rank 1 only
+        time.sleep(8)  # past --timeout on rank 1 only
 
 
 @pytest.mark.ranks(2)
@@ -867,21 +867,49 @@ def test_d_set_up_slow_on_rank_1(rank, slow_on_rank_1):
 """
 
 
+SESSION_GROUP_AFTER_A_FAILURE = """
+import time
+
+
+@pytest.fixture(scope="session")
+def session_pg():
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_e_fails_on_rank_1_while_rank_0_computes(session_pg):
+    if dist.get_rank() == 1:
+        assert False, "rank 1 broke early"
+    time.sleep(2.5)  # rank 0 computes, in no collective: rank 1 must keep the group
+
+
+def test_f_the_session_group_still_works(session_pg):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+
 @pytest.mark.slow
 def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Pytester) -> None:
     """A test without ranks that failed on rank 1 waited for rank 0's verdict while rank 0
     waited for rank 1 in all_reduce (gloo's 30 minutes); the rank that waited for a slow
     peer hit pytest-timeout in the harness's own wait: an INTERNALERROR, no tests ran."""
-    directory = write(pytester, test_wait=FAILS_WHILE_A_PEER_WAITS)
-    result = torchrun(directory, 2, "--rank-timeout", "30", "--timeout", "2")
+    directory = write(
+        pytester, test_wait=FAILS_WHILE_A_PEER_WAITS, test_wait_2=SESSION_GROUP_AFTER_A_FAILURE
+    )
+    result = torchrun(directory, 2, "--rank-timeout", "30", "--timeout", "5")
     assert junit_cases(result.junit) == {
         "test_a_fails_on_rank_1": "failure",
         "test_b_slow_on_rank_1": "failure",
         "test_c_after": "passed",
         "test_d_set_up_slow_on_rank_1[ranks2]": "error",
+        "test_e_fails_on_rank_1_while_rank_0_computes": "failure",
+        "test_f_the_session_group_still_works": "passed",
     }, result.output
     assert "INTERNALERROR" not in result.output, result.output
-    assert "rank 1's set-up failed (Failed: Timeout" in result.output, result.output
+    assert "rank 1's set-up failed (Failed: Timeout (>5.0s)" in result.output, result.output
     assert "rank 1 failed this test (root cause); rank 0 collateral" in result.output
     assert "rank 1 broke" in result.output, result.output
     assert "Captured stdout call [rank 1]" in result.output, result.output
