@@ -165,9 +165,10 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
     hang or a lost rank, or when the launcher is stopping the job."""
     if any(o.ending not in _CLEAN or GROUP_DESTROYED in o.notes for o in outcomes):
         session.drop_group()
-    hung = [o.rank for o in outcomes if o.ending is Ending.HUNG]
-    for rank in hung:
-        session.lost.setdefault(rank, "it hung")
+    for o in outcomes:
+        if o.ending is Ending.HUNG:  # either way the rank is stuck, and cannot be replaced
+            why = "it hung waiting on a peer (collateral)" if o.looks_collateral else "it hung"
+            session.lost.setdefault(o.rank, why)
     if 0 in session.lost:
         session.speak_for_rank_0()
     reasons = [f"rank {r}: {why}" for r, why in sorted(session.lost.items())]
