@@ -278,6 +278,9 @@ class LaunchedSession:
         )
         self._group = dist.group.WORLD
 
+    def has_default_group(self) -> bool:
+        return dist.is_initialized()
+
     def set_own_group_aside(self) -> None:
         """No harness group for the next test: destroy the session's own group if it is the
         default one; a group the test's fixtures set up is theirs and stays."""

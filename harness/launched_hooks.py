@@ -18,7 +18,7 @@ import pytest
 from harness.launch_detect import Launch
 from harness.outcome import ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
-from harness.settings import settings_of
+from harness.settings import settings_of, timeout_for
 
 if TYPE_CHECKING:
     from harness.launched import LaunchedSession
@@ -151,6 +151,8 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     if launched.absent:
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
         launched.lost.update(launched.absent)
+        if 0 in launched.lost:
+            launched.speak_for_rank_0()  # rank 0 cannot report this test: the lowest rank left does
         launched.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
             report.outcome = "failed"
@@ -195,16 +197,29 @@ def _gather_releasing_peers(
         return launched.gather(key, mine, PLAIN_WAIT_S)
     assert launched.peers is not None
     peers, start = launched.peers, time.monotonic()
+    blocked_since: float | None = None
     found = launched.gather(key, mine, RELEASE_CHECK_S)
     while launched.absent and time.monotonic() - start < PLAIN_WAIT_S:
         waiting = [r for r in launched.absent if peers.still_in_this_test(r)]
         if not waiting:
             break
-        if any(peers.in_torch_distributed(r) for r in waiting):
+        blocked = [r for r in waiting if peers.in_torch_distributed(r)]
+        if blocked and launched.has_default_group():
             launched.drop_group()
             return launched.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
+        # Blocked with no group here to leave (a set-up that failed before the rendezvous
+        # the peer waits in): after the test's timeout it is hung, and the session ends.
+        blocked_since = (blocked_since or time.monotonic()) if blocked else None
+        if blocked_since is not None and time.monotonic() - blocked_since > _timeout(launched):
+            for rank in blocked:
+                launched.absent[rank] = "blocked in torch.distributed, waiting on this rank"
+            break
         found = launched.gather(key, None, RELEASE_CHECK_S)
     return found
+
+
+def _timeout(launched: LaunchedSession) -> float:
+    return timeout_for(settings_of(launched.config), None, "", None)
 
 
 def _harness_wait(item: pytest.Item) -> contextlib.AbstractContextManager[None]:

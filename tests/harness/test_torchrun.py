@@ -916,3 +916,33 @@ def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Py
     assert "Captured stdout call [rank 1]" in result.output, result.output
     assert "hello from 1" in result.output, result.output
     assert "Timeout" in result.output, result.output
+
+
+SET_UP_FAILS_BEFORE_THE_RENDEZVOUS = """
+@pytest.fixture(scope="session")
+def pg():
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("no GPU on rank 1")
+    dist.init_process_group("gloo")  # rank 0 waits here for rank 1, which never comes
+    yield
+    dist.destroy_process_group()
+
+
+def test_a(pg):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_blocked_where_the_failing_rank_cannot_release_it_ends_the_session(
+    pytester: pytest.Pytester,
+) -> None:
+    """Rank 1's fixture failed before the rendezvous rank 0 waited in: rank 1 waited for
+    rank 0's verdict for 10 minutes, rank 0 for rank 1 for gloo's 30 (and nothing said why)."""
+    result = torchrun(
+        write(pytester, test_blocked=SET_UP_FAILS_BEFORE_THE_RENDEZVOUS), 2, "--rank-timeout", "5"
+    )
+    out = result.output
+    assert "harness: rank 0 is gone (blocked in torch.distributed, waiting on this rank)" in out
+    assert "ERROR at setup of test_a" in out and "no GPU on rank 1" in out, out
+    assert "ranks out of step at test_blocked.py::test_a" in out, out
