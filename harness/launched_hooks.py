@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from harness import runner
 from harness.launch_detect import Launch
 from harness.outcome import ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
@@ -146,7 +147,9 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         "reason": _skip_reason(report),
         "sections": [(title, text[-4000:]) for title, text in report.sections],
     }
-    with _harness_wait(item):
+    # pytest-timeout off while this rank waits: a slow peer's own timer fails its own test,
+    # and this rank then reports it (not a timeout in the harness's wait).
+    with runner.pytest_timeout_paused(item):
         found = _gather_releasing_peers(launched, report, json.dumps(mine))
     if launched.absent:
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
@@ -157,10 +160,7 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
             report.outcome = "failed"
             report.longrepr = f"not every rank finished this test: {absent}"
-    failed = [
-        (r, json.loads(b)) for r, b in enumerate(found) if b is not None and r != launched.rank
-    ]
-    failed = [(r, theirs) for r, theirs in failed if theirs["outcome"] == "failed"]
+    failed = [(r, t) for r, t in _others(launched, found) if t["outcome"] == "failed"]
     if report.outcome != "failed" and failed:
         rank, theirs = failed[0]
         report.outcome = "failed"
@@ -222,12 +222,13 @@ def _timeout(launched: LaunchedSession) -> float:
     return timeout_for(settings_of(launched.config), None, "", None)
 
 
-def _harness_wait(item: pytest.Item) -> contextlib.AbstractContextManager[None]:
-    """pytest-timeout off while this rank waits for its peers: a slow peer's own timer
-    fires in its own test, and this rank then reports it (not a timeout in the harness)."""
-    from harness import runner
-
-    return runner.pytest_timeout_paused(item)
+def _others(launched: LaunchedSession, found: list[bytes | None]) -> list[tuple[int, Any]]:
+    """The other ranks' published values, decoded, with their ranks."""
+    return [
+        (r, json.loads(blob))
+        for r, blob in enumerate(found)
+        if blob is not None and r != launched.rank
+    ]
 
 
 def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
@@ -237,14 +238,9 @@ def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     if launched is None or launched.peers is None:
         return
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
-    with _harness_wait(item):
+    with runner.pytest_timeout_paused(item):  # as for the verdict: a slow peer times itself
         found = launched.gather(f"{launched.test_key()}/teardown", json.dumps(mine), PLAIN_WAIT_S)
-    theirs = [
-        (r, json.loads(blob))
-        for r, blob in enumerate(found)
-        if blob is not None and r != launched.rank
-    ]
-    failed = [(r, t["text"]) for r, t in theirs if t["failed"]]
+    failed = [(r, t["text"]) for r, t in _others(launched, found) if t["failed"]]
     if failed and not report.failed:
         rank, text = failed[0]
         report.outcome = "failed"
