@@ -9,13 +9,17 @@ Importing this package does not import torch; the ranks start when a test first 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from harness.assertions import assert_close_across_ranks, assert_on_all_ranks
 from harness.expect import Expected, aborts, exits, hangs, killed, raises, returns
 from harness.faults import Fault, fault_point
 from harness.outcome import Ending, RankOutcome
 from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
-from harness.simulate import ThreadedWorldError
-from harness.spawning import RankPool, RankPoolError, spawn
+
+if TYPE_CHECKING:
+    from harness.simulate import ThreadedWorldError
+    from harness.spawning import RankPool, RankPoolError, spawn
 
 __all__ = [
     "Ending",
@@ -39,6 +43,29 @@ __all__ = [
     "returns",
     "spawn",
 ]
+
+# Names from the plugin modules below, imported on first use: pytest must import those
+# modules itself (after marking them for assertion rewriting), or it warns, and a project
+# with filterwarnings = error cannot start when the entry point loads this package.
+_LAZY = {
+    "ThreadedWorldError": "harness.simulate",
+    "RankPool": "harness.spawning",
+    "RankPoolError": "harness.spawning",
+    "spawn": "harness.spawning",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 # pytest registers these (hooks and fixtures) when it registers this module.
 pytest_plugins = [

@@ -69,3 +69,17 @@ def test_the_entry_point_is_declared() -> None:
     names = {ep.name: ep.value for ep in entry_points(group="pytest11")}
     assert names.get("harness") == "harness"
     assert os.path.exists(os.path.join(os.path.dirname(__import__("harness").__file__), "py.typed"))
+
+
+def test_the_entry_point_loads_cleanly_under_warnings_as_errors(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loaded by its entry point (no -p harness), as most users load it: the plugin's own
+    # modules must not be imported before pytest can mark them for assertion rewriting, or
+    # pytest warns, and a project with filterwarnings = error cannot start.
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(RANK_TEST)
+    result = pytester.runpytest_subprocess("--ranks", "2", "-W", "error")
+    result.assert_outcomes(passed=1)
+    assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
