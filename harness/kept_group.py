@@ -2,30 +2,25 @@
 
 Setting a gloo group up costs tens of milliseconds per test; most tests leave it as they
 found it. A rank keeps its group after a test only when the test returned cleanly and the
-group is still the one the harness made (not destroyed or replaced); subgroups the test made
-are destroyed first. The pytest side reuses it only when every rank kept it (see ``Pools``),
-and tells a rank to drop it when a peer failed or is still running shortly after (a peer
-waiting on this rank in a collective must fail fast, not at the deadline). The next test
-starts with a check among the ranks (see ``kept_check``): every rank must hold the group and
-have made as many operations on it as the others; a failed check makes the harness set a
-fresh group up. Runs inside ranks.
+group is still the one the harness made (not destroyed or replaced, its timeout unchanged);
+subgroups the test made are destroyed first. The rank then reports how many operations it
+has made on the group and its point-to-point messages by peer. The pytest side (``Pools``)
+reuses the group only when every rank kept it and those agree: an operation some ranks
+skipped, or a send nobody received, would be paired with the next test's. It tells a rank to
+drop the group when a peer failed or is still running shortly after (a peer waiting on this
+rank in a collective must fail fast, not at the deadline). Runs inside ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness import group_release
-from harness.kept_check import UNKNOWN_OPS, Channel, Verdict
 from harness.outcome import Messages
-
-# How long rank 0 waits for its peers at the check before the group counts as out of step.
-CHECK_S = 5.0
 
 
 @dataclass
@@ -33,8 +28,8 @@ class _Group:
     id: str  # the store prefix it was made under: unique per pytest process
     pg: Any  # the default process group object
     before_test: frozenset[int]  # ids of the process groups that existed when the test began
-    channel: Channel | None  # to check the ranks are in step before the next test
-    ops: int  # the group's operation count on this rank at the last check
+    keepable: bool  # whether the run that made it may keep it
+    first_op: int | None  # torch's sequence number for it when made (None: torch cannot tell)
     timeout: Any  # its timeout when made: a test that changed it leaves no group behind
     kept_after: str = ""  # the run after which it was kept
     # Point-to-point messages on it since it was made, by peer: sent to, received from. A
@@ -48,12 +43,28 @@ class _Group:
 _current: _Group | None = None
 
 
-def made(group_id: str, channel: Channel | None) -> None:
-    """The harness has just set the default group `group_id` up for a test; without a
-    `channel` it is not kept after it."""
+def made(group_id: str, keepable: bool) -> None:
+    """The harness has just set the default group `group_id` up for a test; it may be kept
+    after the test only if `keepable`."""
     global _current
     forget()
-    _current = _Group(group_id, _default(), _groups(), channel, _ops(), _timeout())
+    _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
+
+
+def operations() -> int | None:
+    """How many operations this rank has made on the kept group since it was made
+    (collectives and point-to-point alike); None when torch cannot tell."""
+    now = _sequence()
+    if _current is None or _current.first_op is None or now is None:
+        return None
+    return now - _current.first_op
+
+
+def _sequence() -> int | None:
+    try:
+        return int(_default()._get_sequence_number_for_group())
+    except Exception:  # a torch without it: the group is never reused
+        return None
 
 
 def point_to_point() -> Messages | None:
@@ -104,31 +115,15 @@ def reusable(group_id: str | None) -> bool:
     return dist.is_initialized() and _default() is _current.pg
 
 
-def reuse(serial: int, wait_s: float) -> None:
-    """Start run `serial` on the kept group once every rank is there and in step; a peer
-    waits up to `wait_s` for rank 0's word.
-
-    Raises when they are not (a rank without the group, or counts that differ: a send never
-    received, a collective left unfinished): the harness then retries with a fresh group.
-    """
-    assert _current is not None and _current.channel is not None
-    ops = _ops()
-    since = UNKNOWN_OPS if ops == UNKNOWN_OPS else ops - _current.ops
-    verdict = _current.channel.check(serial, since, CHECK_S, wait_s)
-    if verdict is Verdict.FAIL:
-        raise RuntimeError(
-            "the kept process group's check failed: a rank is without it, late, or out of step"
-            " (its operation count differs); a fresh group is set up"
-        )
-    if verdict is Verdict.BARRIER:  # torch cannot count: are the collectives in step?
-        dist.monitored_barrier(timeout=timedelta(seconds=CHECK_S))
-    _current.ops = _ops()  # the barrier's own operations differ by rank
+def reuse() -> None:
+    """Start a test on the kept group: its subgroups are the ones made from now on."""
+    assert _current is not None
     _current.before_test = _groups()
 
 
 def keep(run_key: str) -> str | None:
     """After a clean return: keep the group if it is intact; its id, or None (tear it down)."""
-    if _current is None or _current.channel is None:
+    if _current is None or not _current.keepable:
         return None
     if not dist.is_initialized() or _default() is not _current.pg:
         return None
@@ -149,22 +144,11 @@ def kept_after(run_key: str) -> bool:
 
 def forget() -> None:
     global _current
-    if _current is not None and _current.channel is not None:
-        _current.channel.close()  # peers checking with this rank fail at once
     _current = None
 
 
 def _default() -> Any:
     return dist.distributed_c10d._get_default_group()
-
-
-def _ops() -> int:
-    """How many operations this rank has made on the default group (collectives and
-    point-to-point alike)."""
-    try:
-        return int(_default()._get_sequence_number_for_group())
-    except Exception:  # a torch without it: every check falls back to the barrier
-        return UNKNOWN_OPS
 
 
 def _timeout() -> Any:

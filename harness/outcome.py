@@ -108,6 +108,9 @@ class RankOutcome:
     # On that group since it was made: (sent, received) point-to-point messages by peer,
     # as ((peer, count), ...); None when a receive from any source hides who sent what.
     point_to_point: Messages | None = ((), ())
+    # Operations on that group since it was made (None: torch cannot tell); with the
+    # messages above, what the pytest side compares across ranks before reusing it.
+    operations: int | None = None
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 

@@ -561,8 +561,12 @@ class Pools:
         for attempt in range(1, SET_UP_ATTEMPTS + 1):
             remaining = deadline - time.monotonic()
             spec = replace(request.spec, timeout_s=remaining) if attempt > 1 else request.spec
-            outcomes = self._run_once(replace(request, spec=spec), attempt, request.spec.timeout_s)
-            if not all(o.setup_failed for o in outcomes):
+            outcomes, reused = self._run_once(
+                replace(request, spec=spec), attempt, request.spec.timeout_s
+            )
+            # On a kept group, a rank without it (never expected) sets none up: try afresh.
+            failed = [o.setup_failed for o in outcomes]
+            if not (all(failed) or (reused and any(failed))):
                 return outcomes
             for outcome in outcomes:
                 outcome.setup_attempts = attempt
@@ -572,15 +576,16 @@ class Pools:
 
     def _run_once(
         self, request: RunRequest, setup_attempt: int, asked_timeout_s: float
-    ) -> list[RankOutcome]:
-        """One attempt; a group kept after it serves later tests asking `asked_timeout_s`
-        (a retry's group has a little less, under its margin over the test's bound)."""
+    ) -> tuple[list[RankOutcome], bool]:
+        """One attempt, and whether it ran on a kept group; a group kept after it serves
+        later tests asking `asked_timeout_s` (a retry's group has a little less, under its
+        margin over the test's bound)."""
         key = PoolKey.of(request.spec)
         with self._lock:
             busy = key in self._busy
             self._busy.add(key)
         if busy:
-            return self._run_on_spare_ranks(request, setup_attempt)
+            return self._run_on_spare_ranks(request, setup_attempt), False
         try:
             return self._run_on_warm_ranks(request, setup_attempt, asked_timeout_s)
         finally:
@@ -599,7 +604,7 @@ class Pools:
 
     def _run_on_warm_ranks(
         self, request: RunRequest, setup_attempt: int, asked_timeout_s: float
-    ) -> list[RankOutcome]:
+    ) -> tuple[list[RankOutcome], bool]:
         key = PoolKey.of(request.spec)
         pool = self.get(key)
         kept = self._kept.pop(key, None)  # a group is reused once, then kept again or not
@@ -610,10 +615,10 @@ class Pools:
         tasks, _launch_store = self._tasks(request, setup_attempt, reuse)
         outcomes = pool.run(tasks, request.live)
         kept_ids = {o.kept_group for o in outcomes}
-        in_step = _messages_all_received(outcomes)
+        in_step = _same_operations(outcomes) and _messages_all_received(outcomes)
         if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
             self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
-        return outcomes
+        return outcomes, reuse is not None
 
     def _tasks(
         self, request: RunRequest, setup_attempt: int, reuse: str | None
@@ -678,6 +683,13 @@ def _alive(pid: int) -> bool:
         except OSError:
             return False
         return not sys.platform.startswith("linux")
+
+
+def _same_operations(outcomes: list[RankOutcome]) -> bool:
+    """Whether every rank made as many operations on the kept group: one that some ranks
+    skipped, or left unfinished on one rank, would be paired with the next test's."""
+    counts = {o.operations for o in outcomes}
+    return len(counts) == 1 and None not in counts
 
 
 def _messages_all_received(outcomes: list[RankOutcome]) -> bool:

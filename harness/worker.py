@@ -51,7 +51,6 @@ from harness import (
     reaper,
 )
 from harness.faults import Fault, Injector, rankwise_points
-from harness.kept_check import Channel
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome, exit_code
 from harness.protocol import (
@@ -315,6 +314,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
             kept = outcome.kept_group = kept_group.keep(task.key)
             outcome.point_to_point = kept_group.point_to_point()
+            outcome.operations = kept_group.operations()
         return outcome, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")
@@ -393,66 +393,25 @@ def _set_up_group(task: RunTask) -> None:
         task.store_prefix, _client_store(task)
     )
     error = ""
-    host: Channel | None = None
     try:
         _init_group(task, store)
-        if task.keep_group and task.rank == 0:
-            host = _host_check(store, task.spec.world_size)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    try:
-        _agree_on_set_up(task, store, error)
-    except BaseException:
-        if host is not None:
-            host.close()
-        raise
-    channel = host
-    if task.keep_group and task.rank != 0:  # rank 0's port is in the store by now
-        channel = _join_check(task, store)
-    kept_group.made(task.store_prefix, channel)
-
-
-def _host_check(store: Any, world_size: int) -> Channel | None:
-    """Rank 0's end of the kept group's check, its port published to its peers."""
-    try:
-        channel = Channel.host(world_size)
-    except OSError:
-        store.set(_CHECK_PORT, "")  # no check, so the group is never kept
-        return None
-    try:
-        store.set(_CHECK_PORT, str(channel.port))
-    except BaseException:
-        channel.close()
-        raise
-    return channel
-
-
-def _join_check(task: RunTask, store: Any) -> Channel | None:
-    """A peer's end of the kept group's check; None (the group is not kept) if it fails."""
-    with contextlib.suppress(Exception):
-        port = store.get(_CHECK_PORT).decode()
-        if port:
-            return Channel.join(task.spec.world_size, task.rank, int(port), task.spec.timeout_s)
-    return None
-
-
-_CHECK_PORT = "check/port"
+    _agree_on_set_up(task, store, error)
+    kept_group.made(task.store_prefix, keepable=task.keep_group)
 
 
 def _check_kept_group(task: RunTask, held: bool) -> None:
-    """Start the body on the kept group only if every rank does; else raise on every rank.
+    """Start the body on the kept group, which the pytest side found in step on every rank
+    after the last test; raise if this rank no longer holds it.
 
-    The check (see kept_group.reuse) stands for a fresh set-up's store agreement: rank 0
-    says go only once every rank reported in step on this group, and the others go only on
-    its word. A rank that fails tears its group down, closing its end of the check, so its
-    peers fail at once; the pytest side then retries with a fresh group.
+    Nothing runs on a rank between tests, so that should never happen; if it does, the rank
+    tears its group down (peers blocked on it fail at once) and the pytest side tries the
+    test again on a fresh group.
     """
     if not held:  # torn down here already, so peers waiting on it fail at once
         raise _SetUpFailed(f"rank {task.rank}: the kept process group is gone on this rank")
-    try:
-        kept_group.reuse(task.attempt, task.spec.timeout_s)
-    except Exception as exc:
-        raise _SetUpFailed(f"rank {task.rank}: {type(exc).__name__}: {exc}") from None
+    kept_group.reuse()
 
 
 def _init_group(task: RunTask, store: Any) -> None:

@@ -859,6 +859,42 @@ def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytest
     assert "torch says 1" in stderr and "careful" not in stderr
 
 
+def test_records_outside_a_captured_test_go_where_logging_sends_them(
+    inner: pytest.Pytester,
+) -> None:
+    # A harness.spawn run captures nothing, as under torch.multiprocessing.spawn: with no
+    # handler configured, logging's last resort writes a warning to the rank's stderr. The
+    # ranks captured a test's records just before, on the same ranks.
+    inner.makeini("[pytest]\nrank_timeout = 30\nlog_level = ERROR\n")
+    inner.makepyfile(
+        """
+        import logging, pytest, harness
+
+        QUIET = logging.getLogger("quiet")
+        QUIET.propagate = False
+
+        @pytest.mark.ranks(2)
+        def test_a_captured(rank):
+            logging.getLogger("train").error("logged in a test on rank %d", rank)
+            QUIET.error("quietly logged in a test on rank %d", rank)
+
+        def spawned(i):
+            logging.getLogger("train").warning("uncaptured on rank %d", i)
+            QUIET.warning("quietly uncaptured on rank %d", i)
+            logging.getLogger("train").info("below the last resort's level %d", i)
+            raise ValueError(f"rank {i} fails")
+
+        def test_b_spawned():
+            with pytest.raises(Exception) as info:
+                harness.spawn(spawned, nprocs=2)
+            report = info.value.report
+            assert "uncaptured on rank 1" in report and "quietly uncaptured on rank 1" in report
+            assert "below the last resort" not in report and "in a test" not in report
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_a_rank_that_hangs_or_dies_keeps_its_captured_log(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
