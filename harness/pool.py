@@ -59,6 +59,11 @@ SET_UP_ATTEMPTS = 3
 MIN_SET_UP_RETRY_S = 1.0
 
 
+def failure_grace_s() -> float:
+    """How long peers of a failure get to finish (FAILURE_GRACE_S, unless a test shortens it)."""
+    return float(os.environ.get(TEST_FAILURE_GRACE, FAILURE_GRACE_S))
+
+
 class PoolStartError(RuntimeError):
     """The rank processes could not be started."""
 
@@ -305,6 +310,29 @@ def telling_starts(listener: Callable[[list[int]], None]) -> Iterator[None]:
         _start_listeners.pop(threading.get_ident(), None)
 
 
+@dataclass(frozen=True)
+class _Cut:
+    at: float  # time.monotonic() when the run ends
+    why: str
+    asked_at: float
+
+
+# Runs to end early, by the thread each runs on: when, and why (a harness.spawn run whose
+# test failed while it ran: nobody will join it).
+_cuts: dict[int, _Cut] = {}
+
+
+def cut_short(thread_id: int, after_s: float, why: str) -> None:
+    """End the run on thread `thread_id` as hung `after_s` from now unless it ends first;
+    `why` goes in each stuck rank's note ("still running 5.0 s after <why>; killed")."""
+    now = time.monotonic()
+    _cuts[thread_id] = _Cut(now + after_s, why, now)
+
+
+def forget_cut(thread_id: int) -> None:
+    _cuts.pop(thread_id, None)
+
+
 def _tell_starting(pids: list[int]) -> None:
     listener = _start_listeners.get(threading.get_ident())
     if listener is not None:
@@ -330,7 +358,8 @@ class _Run:
         # a skip or an xfail leaves them the whole timeout.
         self.grace_from: float | None = None
         self._expected = tasks[0].spec.expected
-        self._grace_s = float(os.environ.get(TEST_FAILURE_GRACE, FAILURE_GRACE_S))
+        self._grace_s = failure_grace_s()
+        self._thread = threading.get_ident()  # a caller may cut the run short (cut_short)
         # Every rank's pipe and process sentinel, polled for the whole run: a selector made
         # per wait (multiprocessing.connection.wait) registers them all again every time.
         self._poll = select.poll()
@@ -350,9 +379,12 @@ class _Run:
             limit = deadline
             if self.grace_from is not None:
                 limit = min(deadline, self.grace_from + self._grace_s)
+            cut = _cuts.get(self._thread)
+            if cut is not None:
+                limit = min(limit, cut.at)
             remaining = limit - time.monotonic()
             if remaining <= 0:
-                self._handle_hang()
+                self._handle_hang(cut if cut is not None and cut.at < deadline else None)
                 break
             self._wait_once(min(remaining, self._poll_s()))
             self._live.drain()
@@ -374,7 +406,8 @@ class _Run:
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or groups are kept."""
         kept = any(o.kept_group for o in self.outcomes.values())
-        return LIVE_POLL_S if self._live.enabled or kept else float("inf")
+        cuttable = self.tasks[0].spec.bare  # a harness.spawn run: its caller may cut it short
+        return LIVE_POLL_S if self._live.enabled or kept or cuttable else float("inf")
 
     def _drop_kept_groups_if_peers_lag(self) -> None:
         """Returned ranks give their kept group up once a peer failed, or is still running
@@ -450,8 +483,9 @@ class _Run:
             return not self._expected[outcome.rank].matches(outcome)
         return not outcome.ok
 
-    def _handle_hang(self) -> None:
-        """Dump the stuck ranks' Python stacks; `collect` then closes the pool."""
+    def _handle_hang(self, cut: _Cut | None = None) -> None:
+        """Dump the stuck ranks' Python stacks; `collect` then closes the pool. `cut`: the
+        run was cut short (when, and why)."""
         stuck = self._pending()
         stacks = dump_stacks({s.rank: (s.pid, s.files.stacks) for s in stuck})
         now = time.monotonic()
@@ -466,7 +500,10 @@ class _Run:
                 where=slot.read_where(),
                 after_failure=self.grace_from is not None,
             )
-            if self.grace_from is not None:
+            if cut is not None:
+                waited = now - cut.asked_at
+                outcome.notes.append(f"still running {waited:.1f} s after {cut.why}; killed")
+            elif self.grace_from is not None:
                 waited = now - self.grace_from
                 outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
             else:

@@ -63,8 +63,14 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     _calling.append(item)
     try:
         return (yield)
+    except BaseException:
+        item.stash[_body_raised_key] = True
+        raise
     finally:
         _calling.remove(item)
+
+
+_body_raised_key = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -78,8 +84,10 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     finally:
         mine = [context for context, owner in _started if owner is item]
         _started[:] = [(context, owner) for context, owner in _started if owner is not item]
+        body_raised = item.stash.get(_body_raised_key, False)
+        __tracebackhide__ = True  # the error is the run's report, not the harness's frames
         for context in mine:
-            context.raise_unless_joined()
+            context.raise_unless_joined(body_raised)
 
 
 def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
@@ -200,6 +208,7 @@ class SpawnContext:
         except BaseException as exc:  # handed to join(), in the caller's thread
             self._error = exc
         finally:
+            pool.forget_cut(threading.get_ident())
             self._started.set()
 
     def _starting(self, pids: list[int]) -> None:
@@ -227,18 +236,39 @@ class SpawnContext:
         raise_for(self.outcomes)
         return True
 
-    def raise_unless_joined(self) -> None:
-        """For a context never joined: wait for its run (bounded by its own timeout) and
-        raise its failure, saying it was never joined."""
+    def raise_unless_joined(self, body_raised: bool = False) -> None:
+        """For a context never joined: wait for its run and raise its failure, saying it was
+        never joined. The wait is bounded by the run's timeout, or, when the test's body
+        raised (nobody will join it, or talk to a server it started), by the grace peers of
+        a failure get: a run then still going is ended, and only a failure of its own before
+        that is reported."""
         if self._joined:
             return
+        cut = self._thread.ident if body_raised else None  # the run's thread
+        if cut is not None:
+            why = "the test that started it failed"
+            pool.cut_short(cut, pool.failure_grace_s(), why)
+        __tracebackhide__ = True
         try:
             self.join()
+            return
         except Exception as exc:
-            raise SpawnNotJoined(
-                f"a harness.spawn(join=False) run this test started was never joined, and it "
-                f"failed (join its context to meet the failure where it happens):\n{exc}"
-            ) from exc
+            failure = exc
+        if cut is not None and _only_cut_short(self.outcomes):
+            return  # ended because the test failed: that failure is the test's report
+        # Raised outside the handler: the run's report says it all, so it is not chained to
+        # (printed twice); an error the test's teardown raised still is.
+        raise SpawnNotJoined(
+            f"a harness.spawn(join=False) run this test started was never joined, and it "
+            f"failed (join its context to meet the failure where it happens):\n{failure}"
+        )
+
+
+def _only_cut_short(outcomes: list[RankOutcome]) -> bool:
+    """Whether a run ended only because the harness cut it short: every rank returned or
+    was still running (none raised, exited or died on its own)."""
+    endings = {o.ending for o in outcomes}
+    return Ending.HUNG in endings and endings <= {Ending.HUNG, Ending.RETURNED}
 
 
 class SpawnNotJoined(AssertionError):
@@ -287,7 +317,7 @@ def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome
         first = f"process {index:d} returned while its peers still waited on it (exit code 0)"
         error = RankExited(f"{first}\n{report}", index, pid, 0)
     elif culprit.ending is Ending.HUNG:
-        first = f"process {index:d} hung past the harness's timeout and was killed (SIGKILL)"
+        first = f"process {index:d} did not end in time and was killed (SIGKILL)"
         error = RankExited(f"{first}\n{report}", index, pid, -9, "SIGKILL")
     else:  # exited: sys.exit, os._exit, or a skip on some ranks only
         code = culprit.exit_code if culprit.exit_code is not None else 1

@@ -724,6 +724,55 @@ def test_spawned_ranks_behave_as_torchs_spawned_processes(inner: pytest.Pytester
     )
 
 
+def test_an_unjoined_run_still_going_when_its_test_fails_is_ended_after_the_grace(
+    inner: pytest.Pytester,
+) -> None:
+    # A server the test spawned waits for a client that failed first: nobody will join it.
+    # It is ended after the grace peers of a failure get, not waited for until the run's
+    # timeout, and its end is no second error: the client's failure is the test's report.
+    # A run that failed on its own before that still is.
+    inner.makepyfile(
+        """
+        import threading, pytest, torch.distributed as dist
+        from datetime import timedelta
+        import harness
+
+        def serve_forever(i):
+            threading.Event().wait()
+
+        def test_client_fails():
+            harness.spawn(serve_forever, nprocs=2, join=False)
+            assert False, "the client failed"
+
+        def fails_on_rank_1_then_serves(i, path):
+            if i == 1:
+                dist.FileStore(path, 3).set("failing", "1")
+                raise ValueError("the server broke on rank 1")
+            threading.Event().wait()
+
+        def test_server_broke_first(tmp_path):
+            path = str(tmp_path / "store")
+            harness.spawn(fails_on_rank_1_then_serves, args=(path,), nprocs=2, join=False)
+            store = dist.FileStore(path, 3)
+            store.set_timeout(timedelta(seconds=60))
+            store.wait(["failing"])
+            assert False, "the client failed too"
+
+        def test_the_ranks_serve_the_next_test():
+            harness.spawn(print, nprocs=2)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
+    result.assert_outcomes(failed=2, errors=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_server_broke_first*",
+            "*run this test started was never joined*",
+            "*the server broke on rank 1*",
+        ]
+    )
+
+
 def test_spawn_says_what_to_do_outside_a_session() -> None:
     from harness.spawning import _configs
 
