@@ -32,12 +32,16 @@ class _Group:
     first_op: int | None  # torch's sequence number for it when made (None: torch cannot tell)
     timeout: Any  # its timeout when made: a test that changed it leaves no group behind
     kept_after: str = ""  # the run after which it was kept
-    # Point-to-point messages on it since it was made, by peer: sent to, received from. A
-    # send nobody received leaves the operation counts equal when each rank has one, but
-    # the next test's receive would get it: the pytest side compares these across ranks.
-    sent: dict[int, int] = field(default_factory=dict)
-    received: dict[int, int] = field(default_factory=dict)
+    # Point-to-point messages on it since it was made, by (peer, tag): sent to, received
+    # from. A send nobody received leaves the operation counts equal when each rank has
+    # one, but the next test's receive would get it: the pytest side compares these.
+    sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    received: dict[tuple[int, int], int] = field(default_factory=dict)
     any_source: bool = False  # a receive from any rank: who sent what cannot be told
+    # The test's operations on it that may not have finished: equal counts of operations
+    # that never match (an all_reduce against a broadcast, left unwaited) would hold gloo's
+    # threads, and the next test's operations would queue behind them.
+    unfinished: list[Any] = field(default_factory=list)
 
 
 _current: _Group | None = None
@@ -51,13 +55,16 @@ def made(group_id: str, keepable: bool) -> None:
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
 
 
-def operations() -> int | None:
-    """How many operations this rank has made on the kept group since it was made
-    (collectives and point-to-point alike); None when torch cannot tell."""
+def counts() -> tuple[int, int] | None:
+    """What must be equal on every rank for the kept group to be reused: the operations
+    this rank has made on it since it was made (collectives and point-to-point alike), and
+    the process groups torch has named by its count (a subgroup made on some ranks only
+    would give the next test's new groups different names on different ranks); None when
+    torch cannot tell."""
     now = _sequence()
     if _current is None or _current.first_op is None or now is None:
         return None
-    return now - _current.first_op
+    return now - _current.first_op, int(dist.distributed_c10d._world.group_count)
 
 
 def _sequence() -> int | None:
@@ -68,44 +75,79 @@ def _sequence() -> int | None:
 
 
 def point_to_point() -> Messages | None:
-    """(sent, received) messages by peer on the kept group since it was made; None when a
-    receive from any source makes them unknowable."""
+    """(sent, received) messages by (peer, tag) on the kept group since it was made; None
+    when a receive from any source makes them unknowable."""
     if _current is None or _current.any_source:
         return None
-    return tuple(sorted(_current.sent.items())), tuple(sorted(_current.received.items()))
+    sent = tuple((peer, tag, n) for (peer, tag), n in sorted(_current.sent.items()))
+    received = tuple((peer, tag, n) for (peer, tag), n in sorted(_current.received.items()))
+    return sent, received
 
 
-def watch_point_to_point() -> None:
-    """Count the default group's sends and receives (ProcessGroup.send/recv, which torch's
-    send, isend, recv, irecv and batch_isend_irecv call). Once per rank process."""
+# ProcessGroup's methods torch.distributed's collectives and point-to-point calls go through.
+_OPERATIONS = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single",
+    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "all_to_all_single",
+    "barrier", "send", "recv", "recv_anysource", "_end_coalescing",
+)  # fmt: skip
+UNFINISHED_PRUNE_AT = 64  # a long test's finished operations are let go of past this many
+
+
+def watch_operations() -> None:
+    """Watch the default group's operations: the work each returns (to tell whether the
+    test left any unfinished) and the messages each send and receive carries. Once per
+    rank process."""
     cls: Any = torch._C._distributed_c10d.ProcessGroup
-    counters = {"send": _count_sent, "recv": _count_received, "recv_anysource": _count_any}
-    for name, count in counters.items():
+    for name in _OPERATIONS:
         original = getattr(cls, name, None)
-        if original is not None and not getattr(original, "_harness_counts", False):
-            setattr(cls, name, _counting(original, count))
+        if original is not None and not getattr(original, "_harness_watches", False):
+            setattr(cls, name, _watching(original, _COUNTERS.get(name)))
 
 
-def _counting(original: Any, count: Any) -> Any:
-    def counted(group: Any, *args: Any, **kwargs: Any) -> Any:
-        if _current is not None and group is _current.pg:
+def _watching(original: Any, count: Any) -> Any:
+    def watched(group: Any, *args: Any, **kwargs: Any) -> Any:
+        if _current is None or group is not _current.pg:
+            return original(group, *args, **kwargs)
+        if count is not None:
             count(_current, *args, **kwargs)
-        return original(group, *args, **kwargs)
+        work = original(group, *args, **kwargs)
+        if hasattr(work, "is_completed"):
+            _note_unfinished(_current, work)
+        return work
 
-    counted._harness_counts = True  # type: ignore[attr-defined]
-    return counted
+    watched._harness_watches = True  # type: ignore[attr-defined]
+    return watched
 
 
-def _count_sent(group: _Group, tensors: Any, peer: int = -1, *_: Any, **__: Any) -> None:
-    group.sent[peer] = group.sent.get(peer, 0) + 1
+def _note_unfinished(group: _Group, work: Any) -> None:
+    group.unfinished.append(work)
+    if len(group.unfinished) >= UNFINISHED_PRUNE_AT:  # their tensors are not kept alive
+        group.unfinished[:] = [w for w in group.unfinished if not w.is_completed()]
 
 
-def _count_received(group: _Group, tensors: Any, peer: int = -1, *_: Any, **__: Any) -> None:
-    group.received[peer] = group.received.get(peer, 0) + 1
+def _peer_and_tag(args: tuple[Any, ...], kwargs: dict[str, Any], peer_name: str) -> Any:
+    peer = args[1] if len(args) > 1 else kwargs.get(peer_name, -1)
+    tag = args[2] if len(args) > 2 else kwargs.get("tag", 0)
+    return int(peer), int(tag)
+
+
+def _count_sent(group: _Group, *args: Any, **kwargs: Any) -> None:
+    key = _peer_and_tag(args, kwargs, "dstRank")
+    group.sent[key] = group.sent.get(key, 0) + 1
+
+
+def _count_received(group: _Group, *args: Any, **kwargs: Any) -> None:
+    key = _peer_and_tag(args, kwargs, "srcRank")
+    group.received[key] = group.received.get(key, 0) + 1
 
 
 def _count_any(group: _Group, *_: Any, **__: Any) -> None:
     group.any_source = True
+
+
+_COUNTERS = {"send": _count_sent, "recv": _count_received, "recv_anysource": _count_any}
 
 
 def reusable(group_id: str | None) -> bool:
@@ -128,6 +170,10 @@ def keep(run_key: str) -> str | None:
     if not dist.is_initialized() or _default() is not _current.pg:
         return None
     if _timeout() != _current.timeout:  # the next test would run with this test's bound
+        return None
+    unfinished = any(not work.is_completed() for work in _current.unfinished)
+    _current.unfinished.clear()
+    if unfinished:  # a collective or message left unfinished: only a fresh group is safe
         return None
     subgroups = [
         group for group in group_release.process_groups() if id(group) not in _current.before_test

@@ -71,7 +71,8 @@ class RankWarning:
 
 
 # Point-to-point messages by peer: ((peer, count), ...) sent, then received.
-Messages = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
+# Point-to-point messages on a kept group: (sent, received), each ((peer, tag, count), ...).
+Messages = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]
 
 
 @dataclass
@@ -105,12 +106,13 @@ class RankOutcome:
     origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
     kept_group: str | None = None  # the group this rank kept for the next test, if any
-    # On that group since it was made: (sent, received) point-to-point messages by peer,
-    # as ((peer, count), ...); None when a receive from any source hides who sent what.
+    # On that group since it was made: (sent, received) point-to-point messages by peer
+    # and tag; None when a receive from any source hides who sent what.
     point_to_point: Messages | None = ((), ())
-    # Operations on that group since it was made (None: torch cannot tell); with the
-    # messages above, what the pytest side compares across ranks before reusing it.
-    operations: int | None = None
+    # Its operation count and torch's count of named groups (kept_group.counts; None:
+    # torch cannot tell); with the messages above, what the pytest side compares across
+    # ranks before reusing the group.
+    kept_counts: tuple[int, int] | None = None
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 

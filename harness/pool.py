@@ -652,7 +652,7 @@ class Pools:
         tasks, _launch_store = self._tasks(request, setup_attempt, reuse)
         outcomes = pool.run(tasks, request.live)
         kept_ids = {o.kept_group for o in outcomes}
-        in_step = _same_operations(outcomes) and _messages_all_received(outcomes)
+        in_step = _same_counts(outcomes) and _messages_all_received(outcomes)
         if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
             self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
         return outcomes, reuse is not None
@@ -722,22 +722,24 @@ def _alive(pid: int) -> bool:
         return not sys.platform.startswith("linux")
 
 
-def _same_operations(outcomes: list[RankOutcome]) -> bool:
-    """Whether every rank made as many operations on the kept group: one that some ranks
-    skipped, or left unfinished on one rank, would be paired with the next test's."""
-    counts = {o.operations for o in outcomes}
+def _same_counts(outcomes: list[RankOutcome]) -> bool:
+    """Whether every rank made as many operations on the kept group, and has torch name as
+    many groups (kept_group.counts): an operation some ranks skipped would be paired with
+    the next test's, and a group some ranks made would shift the next test's group names."""
+    counts = {o.kept_counts for o in outcomes}
     return len(counts) == 1 and None not in counts
 
 
 def _messages_all_received(outcomes: list[RankOutcome]) -> bool:
     """Whether every point-to-point message sent on the kept group was received: what rank
-    i sent to j, j received from i (a message left in flight would meet the next test)."""
-    sent: dict[tuple[int, int], int] = {}
-    received: dict[tuple[int, int], int] = {}
+    i sent to j under each tag, j received from i under it (a message left in flight would
+    meet the next test)."""
+    sent: dict[tuple[int, int, int], int] = {}
+    received: dict[tuple[int, int, int], int] = {}
     for o in outcomes:
         if o.point_to_point is None:
             return False
         mine_sent, mine_received = o.point_to_point
-        sent.update({(o.rank, peer): n for peer, n in mine_sent})
-        received.update({(peer, o.rank): n for peer, n in mine_received})
+        sent.update({(o.rank, peer, tag): n for peer, tag, n in mine_sent})
+        received.update({(peer, o.rank, tag): n for peer, tag, n in mine_received})
     return sent == received

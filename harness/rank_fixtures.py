@@ -144,6 +144,7 @@ class RankFixtures:
         self._rank = rank
         self._stack = contextlib.ExitStack()
         self._request = RankRequest(info, self._stack.callback) if info is not None else None
+        self._caplogs: list[tuple[Any, dict[str, Any]]] = []  # (handler, records by phase)
 
     def bind(self, test: Callable[..., Any]) -> None:
         """The test function the fixtures are made for: its request names it."""
@@ -198,8 +199,16 @@ class RankFixtures:
         self._stack.callback(_finish, recipe.name, generator)
         return value
 
+    def enter_phase(self, when: str) -> None:
+        """The test moves on to phase `when` ("call", "teardown"): as in pytest, caplog's
+        records are that phase's from now on, and get_records keeps the earlier ones."""
+        for handler, records in self._caplogs:
+            handler.reset()
+            records[when] = handler.records
+
     def close(self) -> None:
         """Undo everything made and run the finalizers, the latest first."""
+        self.enter_phase("teardown")
         self._stack.close()
 
     def _capture(self, kind: str) -> Any:
@@ -218,7 +227,9 @@ class RankFixtures:
         handler = pytest_logging.LogCaptureHandler()
         holder = _StashHolder()
         holder.stash[pytest_logging.caplog_handler_key] = handler
-        holder.stash[pytest_logging.caplog_records_key] = {"call": handler.records}
+        records = {"setup": handler.records}  # made while the test's fixtures are set up
+        holder.stash[pytest_logging.caplog_records_key] = records
+        self._caplogs.append((handler, records))
         self._stack.enter_context(pytest_logging.catching_logs(handler, level=level))
         fixture = pytest_logging.LogCaptureFixture(holder, _ispytest=True)  # type: ignore[arg-type]
         self._stack.callback(fixture._finalize)

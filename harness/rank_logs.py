@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -31,10 +32,18 @@ class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     capturing = False
 
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        # The record last seen between tests, by thread: a logger left with this handler
+        # that propagates again hands the same record to it twice on its way to the root.
+        self._seen = threading.local()
+
     def handle(self, record: logging.LogRecord) -> bool:
         if self.capturing:
             return super().handle(record)
-        _as_if_absent(record)
+        if getattr(self._seen, "record", None) is not record:
+            self._seen.record = record
+            _as_if_absent(record)
         return False
 
 

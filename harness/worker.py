@@ -90,7 +90,7 @@ def main(conn: Any, files: RankFiles) -> None:
     _watch_stacks(files.stacks)
     where = _WhereBoard(str(files.where))
     where.install()
-    kept_group.watch_point_to_point()
+    kept_group.watch_operations()
     global _baseline, _worker_pid
     _worker_pid = os.getpid()
     _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
@@ -314,7 +314,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
             kept = outcome.kept_group = kept_group.keep(task.key)
             outcome.point_to_point = kept_group.point_to_point()
-            outcome.operations = kept_group.operations()
+            outcome.kept_counts = kept_group.counts()
         return outcome, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = _raised(task, exc, note="while setting the rank up for the test")
@@ -530,6 +530,7 @@ def _run_target(
         if plan is not None:
             fixtures.make_fixtures(plan, made, getattr(fn, "__self__", None), _load_module)
             kwargs = {name: made[name] for name in kwargs}
+        fixtures.enter_phase("call")
         injector.at_start()
         value = fn(*args, **kwargs)
         _end_if_a_forked_copy(None)

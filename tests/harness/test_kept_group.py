@@ -290,3 +290,85 @@ def test_counts_stay_flat(rank):
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=25)
+
+
+def test_collectives_left_unfinished_in_step_get_a_fresh_group(inner: pytest.Pytester) -> None:
+    # Counts agree (two operations each) but they never match: both of gloo's threads stay
+    # stuck on them, and the next test's all_reduce would queue behind them.
+    inner.makepyfile(
+        GROUPS
+        + """
+LEFT = []
+
+@pytest.mark.ranks(2)
+def test_a_leaves_mismatched_collectives_unwaited(rank):
+    note_group()
+    t = torch.ones(4)
+    if rank == 0:
+        LEFT.extend(dist.all_reduce(t.clone(), async_op=True) for _ in range(2))
+    else:
+        LEFT.extend(dist.broadcast(t.clone(), src=0, async_op=True) for _ in range(2))
+
+@pytest.mark.ranks(2)
+def test_b_fresh_and_correct(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)
+
+
+def test_a_message_left_under_another_tag_gets_a_fresh_group(inner: pytest.Pytester) -> None:
+    # One send and one receive between the same ranks, but under different tags: neither
+    # matched, and the next test's receive would get the stale message.
+    inner.makepyfile(
+        GROUPS
+        + """
+LEFT = []
+
+@pytest.mark.ranks(2)
+def test_a_tags_that_never_match(rank):
+    note_group()
+    if rank == 0:
+        LEFT.append(dist.isend(torch.tensor([111.0]), dst=1))
+    else:
+        LEFT.append(dist.irecv(torch.zeros(1), src=0, tag=1))
+
+@pytest.mark.ranks(2)
+def test_b_gets_its_own_message(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+    t = torch.tensor([42.0])
+    if rank == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)
+    assert t.item() == 42.0
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)
+
+
+def test_a_subgroup_some_ranks_made_gets_a_fresh_group(inner: pytest.Pytester) -> None:
+    # torch names unnamed groups by a per-rank count: after a group made on rank 0 only, the
+    # next test's new_group would meet under different names on its ranks.
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+def test_a_group_on_rank_0_only(rank):
+    note_group()
+    if rank == 0:
+        dist.new_group([0])
+
+@pytest.mark.ranks(2)
+def test_b_new_group_on_every_rank(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+    group = dist.new_group([0, 1])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=group)
+    assert t.item() == 3.0
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)

@@ -567,6 +567,42 @@ def test_caplog_in_a_rank_captures_at_the_configured_log_level(inner: pytest.Pyt
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+def test_caplog_in_a_rank_keeps_each_phase_apart_as_in_pytest(inner: pytest.Pytester) -> None:
+    # As pytest's caplog: records shows the current phase's records only, and get_records
+    # gives each phase's (a fixture's set-up and teardown records are not the call's).
+    inner.makepyfile(
+        """
+        import logging, pytest
+
+        LOG = logging.getLogger("app")
+
+        @pytest.fixture
+        def thing(rank):
+            LOG.warning("set up on rank %d", rank)
+            yield 1
+            LOG.warning("torn down on rank %d", rank)
+
+        @pytest.fixture
+        def checks_teardown(caplog, rank):
+            yield
+            assert [r.getMessage() for r in caplog.get_records("teardown")] == [
+                f"torn down on rank {rank}"
+            ]
+
+        @pytest.mark.ranks(2)
+        def test_phases(rank, checks_teardown, thing, caplog):
+            assert [r.getMessage() for r in caplog.get_records("setup")] == [
+                f"set up on rank {rank}"
+            ]
+            assert caplog.records == []
+            LOG.warning("called on rank %d", rank)
+            assert caplog.messages == [f"called on rank {rank}"]
+            assert caplog.get_records("call") == caplog.records
+        """
+    )
+    inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
 @pytest.mark.parametrize("how", ["exit", "interrupt"])
 def test_pytest_exit_or_an_interrupt_in_a_rank_stops_the_session(
     inner: pytest.Pytester, how: str
@@ -890,9 +926,19 @@ def test_records_outside_a_captured_test_go_where_logging_sends_them(
             report = info.value.report
             assert "uncaptured on rank 1" in report and "quietly uncaptured on rank 1" in report
             assert "below the last resort" not in report and "in a test" not in report
+            assert report.count("quietly uncaptured on rank 1") == 1, report
+
+        @pytest.mark.ranks(2)
+        def test_c_lets_a_quiet_logger_propagate_again(rank):
+            QUIET.propagate = True  # left so
+
+        def test_d_spawned_once_more():
+            with pytest.raises(Exception) as info:
+                harness.spawn(spawned, nprocs=2)
+            assert info.value.report.count("quietly uncaptured on rank 1") == 1, info.value.report
         """
     )
-    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+    inner.runpytest("-p", "harness").assert_outcomes(passed=4)
 
 
 def test_a_rank_that_hangs_or_dies_keeps_its_captured_log(inner: pytest.Pytester) -> None:
