@@ -322,6 +322,7 @@ def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
         bare=True,
         hygiene=ADOPTED_HYGIENE,
         warning_filters=rank_warnings.filters_for(item.config, item),
+        stray_warnings=settings.stray_warnings,
     )
 
 

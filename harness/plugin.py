@@ -46,8 +46,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("rank_fresh_group", fresh, type="bool", default=False)
 
 
+_sessions: set[pytest.Config] = set()  # the harness's sessions now configured in this process
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-timeout has read its own settings
 def pytest_configure(config: pytest.Config) -> None:
+    _sessions.add(config)
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     launch = settings.configure(config).launched
@@ -196,6 +200,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     runner.close_pools(config)  # idempotent; covers an interrupted session
+    _sessions.discard(config)
+    if not _sessions:  # the last in this process (pytester runs sessions inside another)
+        runner.stop_forkserver()
 
 
 # ---- fixtures ------------------------------------------------------------------------------

@@ -709,6 +709,46 @@ class Pools:
         return sorted(p for p in self.started_pids if _alive(p))
 
 
+FORKSERVER_STOP_S = 5.0
+
+
+def stop_forkserver() -> None:
+    """End multiprocessing's fork server, if this process started one, and reap it.
+
+    Left alone it ends only once this process has exited and it notices, then spends a
+    second or so tearing torch down: a process outliving the session. Its ranks are dead by
+    now, so it is killed (a clean stop would cost that second here instead).
+    """
+    server: Any = multiprocessing.forkserver._forkserver
+    with server._lock:
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        _reap(pid, FORKSERVER_STOP_S)
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        address = server._forkserver_address
+        if address and not multiprocessing.util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+
+
+def _reap(pid: int, bound_s: float) -> None:
+    """Wait for child `pid` to end, at most `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # not ours to reap, or already reaped
+        if done:
+            return
+        time.sleep(0.01)
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped by the forkserver, does not)."""
     try:

@@ -144,6 +144,10 @@ class RankSpec:
     assert_verbosity: int = 0  # pytest's -v for the diffs of the body's failed asserts
     log_capture: LogCapture | None = None  # None: the rank's records go where logging sends them
     show_locals: int | None = None  # --showlocals: longest repr of a local (0: whole); None: off
+    # Stray exceptions ("thread", "unraisable") turned into warnings, as pytest's plugins for
+    # them do when loaded; one whose plugin is off is printed, as Python prints it.
+    stray_warnings: frozenset[str] = frozenset({"thread", "unraisable"})
+    runxfail: bool = False  # --runxfail: pytest.xfail() does nothing, as in the pytest process
 
     @property
     def keeps_group(self) -> bool:

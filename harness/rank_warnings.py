@@ -148,11 +148,15 @@ class StrayExceptions:
 
 
 @contextlib.contextmanager
-def stray_exceptions() -> Iterator[StrayExceptions]:
-    """In a rank, around a test: collect its stray exceptions instead of printing them."""
+def stray_exceptions(kinds: frozenset[str]) -> Iterator[StrayExceptions]:
+    """In a rank, around a test: collect its stray exceptions of `kinds` ("thread",
+    "unraisable") instead of printing them."""
     stray = StrayExceptions()
     old_thread, old_unraisable = threading.excepthook, sys.unraisablehook
-    threading.excepthook, sys.unraisablehook = stray.thread, stray.unraisable
+    if "thread" in kinds:
+        threading.excepthook = stray.thread
+    if "unraisable" in kinds:
+        sys.unraisablehook = stray.unraisable
     try:
         yield stray
     finally:

@@ -532,7 +532,8 @@ def run(
     """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
     from harness.pool import RunRequest
 
-    live = config.getoption("capture", None) == "no"  # -s: rank output as it comes
+    # -s and --capture=tee-sys: rank output as it comes (tee-sys keeps it for the report too)
+    live = config.getoption("capture", None) in ("no", "tee-sys")
     return pools_of(config).run(RunRequest(spec, target, args_blob, live))
 
 
@@ -548,6 +549,13 @@ def close_pools(config: pytest.Config) -> list[int]:
     """Kill every rank of the session; the pids still alive after that (there should be none)."""
     pools = config.stash.get(_pools_key, None)
     return [] if pools is None else pools.close()
+
+
+def stop_forkserver() -> None:
+    """End the fork server ranks came from, if this process started ranks (pool's)."""
+    pool = sys.modules.get("harness.pool")
+    if pool is not None:
+        pool.stop_forkserver()
 
 
 # ---- any function on ranks, from the pytest process --------------------------------------

@@ -71,6 +71,8 @@ class Settings:
     assert_verbosity: int = 0  # -v / verbosity_assertions: how much an assert diff shows
     log_capture: LogCapture | None = None  # how pytest captures log records; None: it does not
     show_locals: int | None = None  # --showlocals in rank tracebacks (see endings.LocalsShown)
+    stray_warnings: frozenset[str] = frozenset({"thread", "unraisable"})  # see RankSpec
+    runxfail: bool = False
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -118,11 +120,20 @@ def configure(config: pytest.Config) -> Settings:
             assert_verbosity=_assert_verbosity(config),
             log_capture=_log_capture(config),
             show_locals=_show_locals(config),
+            stray_warnings=_stray_warnings(config),
+            runxfail=bool(config.getoption("runxfail", False)),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_settings_key] = settings
     return settings
+
+
+def _stray_warnings(config: pytest.Config) -> frozenset[str]:
+    """The stray exceptions pytest turns into warnings in this session: those whose plugin
+    (threadexception, unraisableexception) is loaded."""
+    plugins = {"thread": "threadexception", "unraisable": "unraisableexception"}
+    return frozenset(k for k, name in plugins.items() if config.pluginmanager.has_plugin(name))
 
 
 def _show_locals(config: pytest.Config) -> int | None:
@@ -331,6 +342,8 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         assert_verbosity=settings.assert_verbosity,
         log_capture=settings.log_capture,
         show_locals=settings.show_locals,
+        stray_warnings=settings.stray_warnings,
+        runxfail=settings.runxfail,
     )
 
 
@@ -414,4 +427,5 @@ def spec_for_call(
         fresh_group=settings.fresh_group,
         assert_verbosity=settings.assert_verbosity,
         show_locals=settings.show_locals,
+        stray_warnings=settings.stray_warnings,
     )

@@ -170,6 +170,7 @@ def spawn(
         bare=True,
         hygiene=RUN_HYGIENE,
         warning_filters=rank_warnings.filters_for(config, item),
+        stray_warnings=settings.stray_warnings,
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
     target = runner.function_target(adopt_rank.run_spawned)
@@ -364,6 +365,7 @@ class RankPool:
             start_method=settings.start_method,
             hygiene=RUN_HYGIENE,
             warning_filters=rank_warnings.filters_for(config, None),
+            stray_warnings=settings.stray_warnings,
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

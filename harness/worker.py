@@ -30,12 +30,13 @@ import signal
 import sys
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -289,12 +290,15 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
         before = hygiene.snapshot()
-        with rank_warnings.recording(task.spec.warning_filters) as log:
+        with (
+            rank_warnings.recording(task.spec.warning_filters) as log,
+            _xfail_as_pytest_has_it(task.spec.runxfail),
+        ):
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
             with (
                 rank_logs.capturing(task.spec.log_capture),
                 Injector(task.rank, call.faults).installed() as injector,
-                rank_warnings.stray_exceptions() as stray,
+                rank_warnings.stray_exceptions(task.spec.stray_warnings) as stray,
             ):
                 outcome = _run_target(task, call, injector, stray)
         outcome.warnings = rank_warnings.collected(log)
@@ -323,6 +327,26 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     finally:
         if kept is None:
             _teardown_group()
+
+
+@contextlib.contextmanager
+def _xfail_as_pytest_has_it(runxfail: bool) -> Iterator[None]:
+    """Under --runxfail pytest makes pytest.xfail() a no-op for the session: so in the rank,
+    for the test."""
+    if not runxfail:
+        yield
+        return
+    real = pytest.xfail
+
+    def no_op(reason: str = "") -> None:
+        pass
+
+    no_op.Exception = real.Exception  # type: ignore[attr-defined]
+    pytest.xfail = no_op  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        pytest.xfail = real
 
 
 _baseline: rank_state.Baseline | None = None

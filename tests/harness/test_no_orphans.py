@@ -143,3 +143,41 @@ def test_hangs_with_children(rank):
         proc.kill()
         proc.wait()
         kill_quietly(_children(pytester.path))
+
+
+@pytest.mark.slow
+def test_the_fork_server_is_gone_when_pytest_exits(pytester: pytest.Pytester) -> None:
+    # It used to end only after pytest had exited, tearing torch down for a second or so:
+    # a CI step that checks for stray processes right after pytest would find it.
+    pytester.makeconftest(
+        """
+import multiprocessing.forkserver, pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    open("forkserver.pid", "w").write(str(pid))
+"""
+    )
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.ranks(2)
+def test_something(rank):
+    pass
+"""
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid = int((pytester.path / "forkserver.pid").read_text())
+    try:
+        assert not alive(pid), "the fork server outlived the pytest process"
+    finally:
+        kill_quietly([pid])

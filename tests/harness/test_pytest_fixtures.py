@@ -95,6 +95,23 @@ def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -
     result.stdout.fnmatch_lines_random(["[[]rank 0[]] working on 0", "[[]rank 1[]] working on 1"])
 
 
+def test_tee_sys_shows_rank_output_live_and_keeps_it(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_talks(rank):
+            print(f"working on {rank}")
+        """
+    )
+    result = inner.runpytest_subprocess("-p", "harness", "--capture=tee-sys", "-rP")
+    result.assert_outcomes(passed=1)
+    live = result.stdout.str().split("= PASSES =")[0]  # before the report's sections
+    assert "[rank 0] working on 0" in live and "[rank 1] working on 1" in live, live
+    result.stdout.fnmatch_lines(["*Captured stdout [[]rank 1[]] call*", "working on 1"])
+
+
 def test_output_a_test_left_in_a_stream_it_then_replaced_is_in_its_report(
     inner: pytest.Pytester,
 ) -> None:
@@ -601,6 +618,65 @@ def test_caplog_in_a_rank_keeps_each_phase_apart_as_in_pytest(inner: pytest.Pyte
         """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
+
+
+def test_runxfail_makes_pytest_xfail_in_a_rank_a_no_op_as_in_pytest(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        """
+        import pytest
+
+        def test_plain():
+            pytest.xfail("not yet")
+
+        @pytest.mark.ranks(2)
+        def test_ranked(rank):
+            pytest.xfail("not yet")
+            print(f"went on on rank {rank}")
+            assert rank < 2
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--runxfail", "-rP")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*went on on rank 1*"])
+    inner.runpytest("-p", "harness").assert_outcomes(xfailed=2)
+
+
+@pytest.mark.parametrize(
+    ("plugin", "noise", "said"),
+    [
+        ("unraisableexception", "Noisy(); gc.collect()", "noisy __del__"),
+        ("threadexception", "t = threading.Thread(target=divide); t.start(); t.join()", "by zero"),
+    ],
+    ids=["unraisable", "thread"],
+)
+def test_stray_exceptions_in_a_rank_follow_pytests_plugins(
+    inner: pytest.Pytester, plugin: str, noise: str, said: str
+) -> None:
+    # With pytest's plugin for them off, a stray exception is printed, as in a plain test,
+    # not turned into a warning (which filterwarnings = error would make a failure).
+    inner.makeini("[pytest]\nrank_timeout = 30\nfilterwarnings = error\n")
+    inner.makepyfile(
+        f"""
+        import gc, threading, pytest
+
+        class Noisy:
+            def __del__(self):
+                raise RuntimeError("noisy __del__")
+
+        def divide():
+            1 / 0
+
+        @pytest.mark.ranks(2)
+        def test_ranked(rank):
+            {noise}
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-p", f"no:{plugin}", "-rP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*Captured stderr [[]rank 1[]] call*", f"*{said}*"])
+    inner.runpytest("-p", "harness").assert_outcomes(failed=1)  # the plugin on: a warning
 
 
 @pytest.mark.parametrize("how", ["exit", "interrupt"])
