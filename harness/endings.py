@@ -46,7 +46,9 @@ def ended_by(
         outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
         outcome.traceback = user_traceback(exc, show_locals)  # where it was called
     elif (ending := _pytest_outcome(exc)) is not None:
-        return ended(key, rank, ending, message=text_of(getattr(exc, "msg", exc)))
+        message = text_of(getattr(exc, "msg", exc))
+        at = _raised_at(exc) if ending is Ending.SKIPPED else None
+        return ended(key, rank, ending, message=message, skipped_at=at)
     else:
         outcome = raised(key, rank, exc, show_locals=show_locals)
         returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
@@ -67,6 +69,18 @@ def _pytest_outcome(exc: BaseException) -> Ending | None:
     if isinstance(exc, XFailed):
         return Ending.XFAILED
     return Ending.SKIPPED if isinstance(exc, Skipped) else None
+
+
+def _raised_at(exc: BaseException) -> tuple[str, int] | None:
+    """Where `exc` was raised from, as pytest tells a skip's place: the last frame of its
+    traceback that does not hide itself (pytest.skip does)."""
+    at = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__", False):
+            at = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return at
 
 
 def qualified_name(cls: type) -> str:

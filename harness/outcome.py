@@ -113,6 +113,7 @@ class RankOutcome:
     # torch cannot tell); with the messages above, what the pytest side compares across
     # ranks before reusing the group.
     kept_counts: tuple[int, int] | None = None
+    skipped_at: tuple[str, int] | None = None  # a skip's (file, line), as pytest reports it
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
 

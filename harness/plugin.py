@@ -157,6 +157,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.harness_error = True  # travels with the report (xdist serialises __dict__)
     if call.when == "call":
         runner.refuse_xfail(item, report)
+        runner.place_skip(item, report)
     verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
     if verdict_phase and _spec_key not in item.stash and launched_hooks.active(item.config):
         launched_hooks.plain_verdict(item, report)

@@ -420,7 +420,9 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     """
     if all(o.setup_failed for o in outcomes):
         raise HarnessError(set_up_failure_text(outcomes), pytrace=False)
-    if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported at the test, not here
+    if all(o.ending is Ending.SKIPPED for o in outcomes):  # reported where rank 0 skipped
+        if outcomes[0].skipped_at is not None:
+            item.stash[_skipped_at_key] = outcomes[0].skipped_at
         raise pytest.skip.Exception(outcomes[0].message, _use_item_location=True)
     note_missed_faults(item, outcomes)
     _xfail_if_ranks_did(outcomes)
@@ -430,6 +432,17 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         first, _, rest = text.partition("\n")
         message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
         raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
+
+
+_skipped_at_key = pytest.StashKey[tuple[str, int]]()
+
+
+def place_skip(item: pytest.Item, report: pytest.TestReport) -> None:
+    """A skip on every rank is reported where the ranks skipped (file and line), as pytest
+    reports a plain test's, not at the test's own line."""
+    at = item.stash.get(_skipped_at_key, None)
+    if at is not None and report.skipped and isinstance(report.longrepr, tuple):
+        report.longrepr = (at[0], at[1], report.longrepr[2])
 
 
 def note_missed_faults(item: pytest.Item | None, outcomes: list[RankOutcome]) -> None:
