@@ -245,7 +245,9 @@ class SpawnContext:
         that is reported."""
         if self._joined:
             return
-        cut = self._thread.ident if body_raised else None  # the run's thread
+        # The run's thread, if the run still goes on (a cut for an ended run would stay, and
+        # fall on the next run whose thread gets the same ident).
+        cut = self._thread.ident if body_raised and self._thread.is_alive() else None
         if cut is not None:
             why = "the test that started it failed"
             pool.cut_short(cut, pool.failure_grace_s(), why)

@@ -760,10 +760,19 @@ def test_an_unjoined_run_still_going_when_its_test_fails_is_ended_after_the_grac
 
         def test_the_ranks_serve_the_next_test():
             harness.spawn(print, nprocs=2)
+
+        def test_a_run_that_ended_before_its_test_failed():
+            context = harness.spawn(print, nprocs=2, join=False)
+            context._thread.join(60)  # ended, never joined
+            assert False, "the client failed after its server ended"
+
+        def test_no_cut_is_left_for_a_later_run():
+            from harness import pool
+            assert not pool._cuts  # a later run on a thread with the same ident would be cut
         """
     )
     result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
-    result.assert_outcomes(failed=2, errors=1, passed=1)
+    result.assert_outcomes(failed=3, errors=1, passed=2)
     result.stdout.fnmatch_lines(
         [
             "*ERROR at teardown of test_server_broke_first*",
