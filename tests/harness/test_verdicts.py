@@ -379,7 +379,7 @@ def test_hang_stacks_show_each_frames_source_line(inner: pytest.Pytester) -> Non
     )
 
 
-def test_a_skip_in_ranks_is_reported_at_the_test(inner: pytest.Pytester) -> None:
+def test_a_skip_in_ranks_is_reported_where_it_was_called(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         test_skip_where="""
         import pytest
@@ -391,7 +391,8 @@ def test_a_skip_in_ranks_is_reported_at_the_test(inner: pytest.Pytester) -> None
     )
     result = inner.runpytest("-p", "harness", "-rs")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_skip_where.py:3: not today"])
+    # As pytest reports a plain test's skip: the line that called it, not a harness file's.
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_skip_where.py:5: not today"])
 
 
 # ---- a later test never pays for an earlier one ----------------------------------------------
