@@ -3,12 +3,13 @@
 Setting a gloo group up costs tens of milliseconds per test; most tests leave it as they
 found it. A rank keeps its group after a test only when the test returned cleanly and the
 group is still the one the harness made (not destroyed or replaced, its timeout unchanged);
-subgroups the test made are destroyed first. The rank then reports how many operations it
-has made on the group and its point-to-point messages by peer. The pytest side (``Pools``)
-reuses the group only when every rank kept it and those agree: an operation some ranks
-skipped, or a send nobody received, would be paired with the next test's. It tells a rank to
-drop the group when a peer failed or is still running shortly after (a peer waiting on this
-rank in a collective must fail fast, not at the deadline). Runs inside ranks.
+subgroups the test made are destroyed first, and an operation the test left unfinished on it
+means no group is kept. The rank then reports its counts (operations on the group, groups
+torch has named) and its point-to-point messages by peer and tag. The pytest side
+(``Pools``) reuses the group only when every rank kept it and those agree: an operation some
+ranks skipped, or a send nobody received, would be paired with the next test's. It tells a
+rank to drop the group when a peer failed or is still running shortly after (a peer waiting
+on this rank in a collective must fail fast, not at the deadline). Runs inside ranks.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _note_unfinished(group: _Group, work: Any) -> None:
         group.unfinished[:] = [w for w in group.unfinished if not w.is_completed()]
 
 
-def _peer_and_tag(args: tuple[Any, ...], kwargs: dict[str, Any], peer_name: str) -> Any:
+def _peer_and_tag(args: tuple[Any, ...], kwargs: dict[str, Any], peer_name: str) -> tuple[int, int]:
     peer = args[1] if len(args) > 1 else kwargs.get(peer_name, -1)
     tag = args[2] if len(args) > 2 else kwargs.get("tag", 0)
     return int(peer), int(tag)

@@ -70,7 +70,6 @@ class RankWarning:
     lineno: int
 
 
-# Point-to-point messages by peer: ((peer, count), ...) sent, then received.
 # Point-to-point messages on a kept group: (sent, received), each ((peer, tag, count), ...).
 Messages = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]
 

@@ -406,7 +406,7 @@ class _Run:
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or groups are kept."""
         kept = any(o.kept_group for o in self.outcomes.values())
-        cuttable = self.tasks[0].spec.bare  # a harness.spawn run: its caller may cut it short
+        cuttable = self.tasks[0].spec.bare  # a run without a group (harness.spawn's may be cut)
         return LIVE_POLL_S if self._live.enabled or kept or cuttable else float("inf")
 
     def _drop_kept_groups_if_peers_lag(self) -> None:
