@@ -43,6 +43,10 @@ class _Group:
     # that never match (an all_reduce against a broadcast, left unwaited) would hold gloo's
     # threads, and the next test's operations would queue behind them.
     unfinished: list[Any] = field(default_factory=list)
+    # torch's registry of functional collectives (DeviceMesh, DTensor) not yet waited for
+    # when the test began: they reach the group without its Python methods, so one the test
+    # left unwaited shows only here (an entry stays until its tensor is waited for).
+    unwaited_before: int | None = None
 
 
 _current: _Group | None = None
@@ -54,6 +58,7 @@ def made(group_id: str, keepable: bool) -> None:
     global _current
     forget()
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
+    _current.unwaited_before = _unwaited_functional()
 
 
 def counts() -> tuple[int, int] | None:
@@ -162,6 +167,7 @@ def reuse() -> None:
     """Start a test on the kept group: its subgroups are the ones made from now on."""
     assert _current is not None
     _current.before_test = _groups()
+    _current.unwaited_before = _unwaited_functional()
 
 
 def keep(run_key: str) -> str | None:
@@ -175,6 +181,9 @@ def keep(run_key: str) -> str | None:
     unfinished = any(not work.is_completed() for work in _current.unfinished)
     _current.unfinished.clear()
     if unfinished:  # a collective or message left unfinished: only a fresh group is safe
+        return None
+    unwaited = _unwaited_functional()
+    if unwaited is None or unwaited != _current.unwaited_before:  # the same, by another road
         return None
     subgroups = [
         group for group in group_release.process_groups() if id(group) not in _current.before_test
@@ -203,6 +212,14 @@ def _timeout() -> Any:
     try:
         pg = _default()
         return tuple(pg._get_backend(device).options._timeout for device in pg._device_types)
+    except Exception:
+        return None
+
+
+def _unwaited_functional() -> int | None:
+    """How many functional collectives no one has waited for (None: torch cannot tell)."""
+    try:
+        return int(torch._C._distributed_c10d._get_work_registry_size())
     except Exception:
         return None
 

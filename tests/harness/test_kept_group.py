@@ -372,3 +372,44 @@ def test_b_new_group_on_every_rank(rank):
 """
     )
     inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)
+
+
+def test_functional_collectives_left_unwaited_get_a_fresh_group(inner: pytest.Pytester) -> None:
+    # DeviceMesh and DTensor go through torch's functional collectives, which reach the
+    # group without its Python methods. Left unwaited and unmatched, they hold gloo's
+    # threads: the next test's collectives would queue behind them or pair with them.
+    inner.makepyfile(
+        GROUPS
+        + """
+import torch.distributed._functional_collectives as funcol
+
+@pytest.mark.ranks(2)
+def test_a_leaves_functional_collectives_unwaited(rank):
+    note_group()
+    t = torch.ones(4) * (rank + 1)
+    if rank == 0:
+        funcol.all_reduce(t, "sum", dist.group.WORLD)
+    else:
+        funcol.broadcast(t, 1, dist.group.WORLD)
+
+@pytest.mark.ranks(2)
+def test_b_fresh_and_correct(rank):
+    note_group()
+    assert SEEN[-1] is not SEEN[-2]
+    gathered = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]))
+    assert [g.item() for g in gathered] == [0.0, 1.0]
+
+@pytest.mark.ranks(2)
+def test_c_waited_functional_collectives_keep_it(rank):
+    note_group()
+    out = funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD)
+    assert out.tolist() == [2.0, 2.0]
+
+@pytest.mark.ranks(2)
+def test_d_kept(rank):
+    note_group()
+    assert SEEN[-1] is SEEN[-2]
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=4)
