@@ -56,7 +56,8 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
     RuntimeError naming the first failing rank; if the only failures are SystemExits, each
     rank exits with its own code, or the first one's. The same `label` must be used on every
     rank; ranks out of step raise. A label that is not a str raises TypeError on its rank and
-    makes every other rank raise too, instead of waiting for it.
+    makes every other rank raise too, instead of waiting for it. `combine` runs on each rank
+    after the exchange, on its own: one that raises on some ranks only raises there alone.
     """
     call, refused = _call_of("all_reduce", label)
     if single_process(call.text):
@@ -281,7 +282,10 @@ def raise_for_failures(
     raises what); `failed_as` words the others' message: "rank 2 raised ValueError: ..."."""
     if not headers.in_step:
         if error is not None and getattr(error, "_rankwise_refusal", False):
-            raise _from(rank(), error)  # its own bad label put it out of step
+            # Its own bad label put it out of step. Inside an enclosing collective's fn it
+            # must leave that one too, as its peers do: its exchange would wait for them.
+            error._rankwise_out_of_step = True  # type: ignore[attr-defined]
+            raise _from(rank(), error)
         refused = [
             m
             for m, e, key in zip(headers.members, headers.entries, headers.keys, strict=True)
@@ -380,7 +384,7 @@ def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
     if isinstance(label, str):
         return Call(kind, label), None
     error = TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
-    return Call(kind, repr(label)), error
+    return Call(kind, repr(label), f"{kind}({label!r})"), error
 
 
 def _src_error(call: Call, src: object, world: int) -> Exception | None:

@@ -445,6 +445,27 @@ def test_a_collective_only_some_ranks_run_inside_fn_raises_on_every_rank(
         assert "ranks out of step" in o.message and "broadcast_from('inner')" in o.message
 
 
+def _a_bad_label_on_rank_0_inside_fn() -> Any:
+    def fn() -> int:
+        label = 5 if dist.get_rank() == 0 else "inner"
+        return rw.all_reduce(label, lambda: 1, sum)  # type: ignore[arg-type]
+
+    return rw.all_reduce("outer", fn, sum)
+
+
+def test_a_bad_label_on_one_rank_inside_fn_leaves_no_rank_waiting(run_on_ranks: Any) -> None:
+    # The inner exchange finds ranks out of step: every rank leaves the outer call too (none
+    # joins its exchange alone), the bad rank with its own TypeError.
+    out = run_on_ranks(_a_bad_label_on_rank_0_inside_fn, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()
+    assert out[0].exc_name == "TypeError", out.report()
+    assert "label must be a str" in out[0].message
+    for o in out:
+        assert o.origin_rank == 0, o.message
+    for o in (out[1], out[2]):
+        assert "ranks out of step" in o.message and "all_reduce(5)" in o.message, o.message
+
+
 def test_an_int_too_long_for_json_is_a_wire_error_naming_its_type() -> None:
     from rankwise._wire import WireError
 
