@@ -13,6 +13,7 @@ import itertools
 import math
 import multiprocessing
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
+import multiprocessing.resource_tracker
 import os
 import pickle
 import select
@@ -710,6 +711,7 @@ class Pools:
 
 
 FORKSERVER_STOP_S = 5.0
+TRACKER_STOP_S = 1.0  # it exits in milliseconds unless someone else holds its pipe
 
 
 def stop_forkserver() -> None:
@@ -734,6 +736,26 @@ def stop_forkserver() -> None:
             with contextlib.suppress(OSError):
                 os.unlink(address)
         server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """End multiprocessing's resource tracker, started with the fork server, and reap it.
+
+    It ends by itself once every holder of its pipe has closed it: after this process
+    exits, a moment too late. Closed here, it frees what is left registered (as it would
+    then) and exits; a process still holding the pipe (a user's own child) keeps it, so it
+    is waited for only briefly and never killed: it would leave that child's resources.
+    """
+    tracker: Any = multiprocessing.resource_tracker._resource_tracker
+    with tracker._lock:
+        fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+        if fd is None or pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        tracker._fd = tracker._pid = None
+        _reap(pid, TRACKER_STOP_S)
 
 
 def _reap(pid: int, bound_s: float) -> None:

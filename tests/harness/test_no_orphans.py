@@ -148,15 +148,18 @@ def test_hangs_with_children(rank):
 @pytest.mark.slow
 def test_the_fork_server_is_gone_when_pytest_exits(pytester: pytest.Pytester) -> None:
     # It used to end only after pytest had exited, tearing torch down for a second or so:
-    # a CI step that checks for stray processes right after pytest would find it.
+    # a CI step that checks for stray processes right after pytest would find it. So did
+    # multiprocessing's resource tracker, started with it.
     pytester.makeconftest(
         """
-import multiprocessing.forkserver, pytest
+import multiprocessing.forkserver, multiprocessing.resource_tracker, pytest
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
     pid = multiprocessing.forkserver._forkserver._forkserver_pid
     open("forkserver.pid", "w").write(str(pid))
+    pid = multiprocessing.resource_tracker._resource_tracker._pid
+    open("tracker.pid", "w").write(str(pid))
 """
     )
     pytester.makepyfile(
@@ -176,8 +179,10 @@ def test_something(rank):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pid = int((pytester.path / "forkserver.pid").read_text())
+    server = int((pytester.path / "forkserver.pid").read_text())
+    tracker = int((pytester.path / "tracker.pid").read_text())
     try:
-        assert not alive(pid), "the fork server outlived the pytest process"
+        assert not alive(server), "the fork server outlived the pytest process"
+        assert not alive(tracker), "the resource tracker outlived the pytest process"
     finally:
-        kill_quietly([pid])
+        kill_quietly([server, tracker])
