@@ -82,12 +82,57 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     finally:
-        mine = [context for context, owner in _started if owner is item]
+        mine = [(context, owner) for context, owner in _started if owner is item]
         _started[:] = [(context, owner) for context, owner in _started if owner is not item]
         body_raised = item.stash.get(_body_raised_key, False)
         __tracebackhide__ = True  # the error is the run's report, not the harness's frames
-        for context in mine:
-            context.raise_unless_joined(body_raised)
+        failures = _unjoined_failures([context for context, _ in mine], body_raised)
+        if failures:
+            raise _not_joined(failures)
+
+
+UNJOINED_POLL_S = 0.02  # how often teardown looks for the next of several runs to end
+
+
+def _unjoined_failures(contexts: list[SpawnContext], body_raised: bool) -> list[Exception]:
+    """Wait for each run never joined, as they end (not in the order they started), and
+    return their failures. Once the test has failed (its body raised, or one of these
+    failed), nobody will join the rest: those still going are ended after the grace."""
+    pending = [context for context in contexts if not context.joined]
+    failures: list[Exception] = []
+    failing = body_raised
+    while pending:
+        if failing:
+            for context in pending:
+                context.cut_if_running("the test that started it failed")
+        ended = [context for context in pending if not context.running]
+        if not ended:
+            pending[0].wait(UNJOINED_POLL_S)
+            continue
+        for context in ended:
+            pending.remove(context)
+            failure = context.unjoined_failure()
+            if failure is not None:
+                failures.append(failure)
+                failing = True
+    return failures
+
+
+def _not_joined(failures: list[Exception]) -> SpawnNotJoined:
+    """The teardown error for runs never joined that failed: each run's report, in full."""
+    if len(failures) == 1:
+        return SpawnNotJoined(
+            f"a harness.spawn(join=False) run this test started was never joined, and it "
+            f"failed (join its context to meet the failure where it happens):\n{failures[0]}"
+        )
+    reports = "".join(
+        f"\n\n-- run {n} of {len(failures)} to fail --\n{failure}"
+        for n, failure in enumerate(failures, 1)
+    )
+    return SpawnNotJoined(
+        f"{len(failures)} harness.spawn(join=False) runs this test started were never joined, "
+        f"and they failed (join each context to meet its failure where it happens):{reports}"
+    )
 
 
 def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
@@ -196,6 +241,7 @@ class SpawnContext:
         self.outcomes: list[RankOutcome] = []
         self._error: BaseException | None = None
         self._joined = False  # a join() saw the run's end (and raised its failure, if any)
+        self._cut = False  # the harness will end it after the grace: its test failed
         self._pids: list[int] = []
         self._started = threading.Event()  # the ranks are chosen (or the run ended before)
         self._start_bound_s = start_bound_s
@@ -237,34 +283,47 @@ class SpawnContext:
         raise_for(self.outcomes)
         return True
 
-    def raise_unless_joined(self, body_raised: bool = False) -> None:
-        """For a context never joined: wait for its run and raise its failure, saying it was
-        never joined. The wait is bounded by the run's timeout, or, when the test's body
-        raised (nobody will join it, or talk to a server it started), by the grace peers of
-        a failure get: a run then still going is ended, and only a failure of its own before
-        that is reported."""
-        if self._joined:
+    @property
+    def joined(self) -> bool:
+        """Whether a join() has seen the run's end."""
+        return self._joined
+
+    @property
+    def running(self) -> bool:
+        """Whether the run goes on."""
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float) -> None:
+        """Wait at most `timeout` seconds for the run to end (raises nothing)."""
+        self._thread.join(timeout)
+
+    def cut_if_running(self, why: str) -> None:
+        """End the run, if it still goes on, after the grace peers of a failure get: nobody
+        will join it (or talk to a server it is) now that the test failed."""
+        if self._cut or self._joined or not self._thread.is_alive():
             return
-        # The run's thread, if the run still goes on (a cut for an ended run would stay, and
-        # fall on the next run whose thread gets the same ident).
-        cut = self._thread.ident if body_raised and self._thread.is_alive() else None
-        if cut is not None:
-            why = "the test that started it failed"
-            pool.cut_short(cut, pool.failure_grace_s(), why)
-        __tracebackhide__ = True
+        ident = self._thread.ident
+        if ident is not None:
+            pool.cut_short(ident, pool.failure_grace_s(), why)
+            self._cut = True
+
+    def unjoined_failure(self) -> Exception | None:
+        """For a context never joined: wait for its run (bounded by the run's timeout, or by
+        the grace once cut) and return its failure, if any. A run that ended only because
+        it was cut has none of its own: the test's failure is the report."""
+        if self._joined:
+            return None
         try:
             self.join()
-            return
+            return None
         except Exception as exc:
             failure = exc
-        if cut is not None and _only_cut_short(self.outcomes):
-            return  # ended because the test failed: that failure is the test's report
-        # Raised outside the handler: the run's report says it all, so it is not chained to
-        # (printed twice); an error the test's teardown raised still is.
-        raise SpawnNotJoined(
-            f"a harness.spawn(join=False) run this test started was never joined, and it "
-            f"failed (join its context to meet the failure where it happens):\n{failure}"
-        )
+        finally:
+            if self._cut:  # ended: a cut left for its thread would fall on a later run's
+                pool.forget_cut(self._thread.ident or 0)
+        if self._cut and _only_cut_short(self.outcomes):
+            return None
+        return failure
 
 
 def _only_cut_short(outcomes: list[RankOutcome]) -> bool:

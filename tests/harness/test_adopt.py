@@ -782,6 +782,43 @@ def test_an_unjoined_run_still_going_when_its_test_fails_is_ended_after_the_grac
     )
 
 
+def test_several_unjoined_runs_each_report_their_failure(inner: pytest.Pytester) -> None:
+    # Every unjoined run's failure is reported, not the first one's alone; once one has
+    # failed, a run still going is ended after the grace (nobody will join it), whichever
+    # was started first, and the next test gets the ranks.
+    inner.makepyfile(
+        """
+        import threading
+        import harness
+
+        def fails(i, what):
+            raise ValueError(f"{what} failed on rank {i}")
+
+        def serve_forever(i):
+            threading.Event().wait()
+
+        def test_two_runs_fail():
+            harness.spawn(fails, args=("run A",), nprocs=2, join=False)
+            harness.spawn(fails, args=("run B",), nprocs=2, join=False)
+
+        def test_one_fails_after_one_that_never_ends():
+            harness.spawn(serve_forever, nprocs=2, join=False)
+            harness.spawn(fails, args=("run C",), nprocs=2, join=False)
+
+        def test_the_ranks_serve_the_next_test():
+            harness.spawn(print, nprocs=2)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
+    result.assert_outcomes(errors=2, passed=3)
+    out = result.stdout.str()
+    first, second = out.split("ERROR at teardown of test_one_fails_after")
+    assert "2 harness.spawn(join=False) runs this test started were never joined" in first
+    assert "run A failed on rank 0" in first and "run B failed on rank 0" in first
+    assert "run C failed on rank 0" in second
+    assert "hung" not in second and "timeout" not in second  # cut after the grace, quietly
+
+
 def test_spawn_says_what_to_do_outside_a_session() -> None:
     from harness.spawning import _configs
 
