@@ -323,6 +323,7 @@ def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
         hygiene=ADOPTED_HYGIENE,
         warning_filters=rank_warnings.filters_for(item.config, item),
         stray_warnings=settings.stray_warnings,
+        runxfail=settings.runxfail,
     )
 
 

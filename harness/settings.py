@@ -428,4 +428,5 @@ def spec_for_call(
         assert_verbosity=settings.assert_verbosity,
         show_locals=settings.show_locals,
         stray_warnings=settings.stray_warnings,
+        runxfail=settings.runxfail,
     )

@@ -216,6 +216,7 @@ def spawn(
         hygiene=RUN_HYGIENE,
         warning_filters=rank_warnings.filters_for(config, item),
         stray_warnings=settings.stray_warnings,
+        runxfail=settings.runxfail,
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
     target = runner.function_target(adopt_rank.run_spawned)
@@ -427,6 +428,7 @@ class RankPool:
             hygiene=RUN_HYGIENE,
             warning_filters=rank_warnings.filters_for(config, None),
             stray_warnings=settings.stray_warnings,
+            runxfail=settings.runxfail,
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

@@ -30,12 +30,13 @@ import signal
 import sys
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _pytest.outcomes
 import pytest
 import torch
 import torch.distributed as dist
@@ -290,10 +291,8 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
         before = hygiene.snapshot()
-        with (
-            rank_warnings.recording(task.spec.warning_filters) as log,
-            _xfail_as_pytest_has_it(task.spec.runxfail),
-        ):
+        _xfail_as_pytest_has_it(task.spec.runxfail)
+        with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
             with (
                 rank_logs.capturing(task.spec.log_capture),
@@ -329,24 +328,21 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
             _teardown_group()
 
 
-@contextlib.contextmanager
-def _xfail_as_pytest_has_it(runxfail: bool) -> Iterator[None]:
+_real_xfail = _pytest.outcomes.xfail  # pytest.xfail itself may be a forked session's no-op
+
+
+def _no_op_xfail(reason: str = "") -> None:
+    pass
+
+
+_no_op_xfail.Exception = _real_xfail.Exception  # type: ignore[attr-defined]
+
+
+def _xfail_as_pytest_has_it(runxfail: bool) -> None:
     """Under --runxfail pytest makes pytest.xfail() a no-op for the session: so in the rank,
-    for the test."""
-    if not runxfail:
-        yield
-        return
-    real = pytest.xfail
-
-    def no_op(reason: str = "") -> None:
-        pass
-
-    no_op.Exception = real.Exception  # type: ignore[attr-defined]
-    pytest.xfail = no_op  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        pytest.xfail = real
+    which serves one session. Left so between runs: a module a run loads binds what it
+    finds (`from pytest import xfail`), and a later test of the session calls that."""
+    pytest.xfail = _no_op_xfail if runxfail else _real_xfail  # type: ignore[assignment]
 
 
 _baseline: rank_state.Baseline | None = None

@@ -643,6 +643,30 @@ def test_runxfail_makes_pytest_xfail_in_a_rank_a_no_op_as_in_pytest(
     inner.runpytest("-p", "harness").assert_outcomes(xfailed=2)
 
 
+def test_runxfail_reaches_an_xfail_imported_while_a_spawn_run_loaded_the_module(
+    inner: pytest.Pytester,
+) -> None:
+    # `from pytest import xfail` binds whatever pytest.xfail is when the module is loaded:
+    # here by a harness.spawn run on the same ranks, before the ranks test.
+    inner.makepyfile(
+        """
+        import harness, pytest
+        from pytest import xfail
+
+        def noop(i):
+            pass
+
+        def test_a_spawn_loads_this_module_on_the_ranks():
+            harness.spawn(noop, nprocs=2)
+
+        @pytest.mark.ranks(2)
+        def test_b_xfail_bound_at_import(rank):
+            xfail("not yet")
+        """
+    )
+    inner.runpytest("-p", "harness", "--runxfail").assert_outcomes(passed=2)
+
+
 @pytest.mark.parametrize(
     ("plugin", "noise", "said"),
     [
