@@ -89,7 +89,17 @@ class RunRequest:
     spec: RankSpec
     target: Target
     args_blob: bytes
-    live: bool = False  # pytest -s: echo rank output as it comes
+    live: LiveStreams | None = None  # pytest -s or tee-sys: echo rank output as it comes
+
+
+@dataclass(frozen=True)
+class LiveStreams:
+    """Where rank output is echoed as it comes: the terminal's stdout and stderr, as the
+    test's own capture found them (None: this process's sys.stdout/sys.stderr of the moment,
+    as with -s)."""
+
+    out: Any = None
+    err: Any = None
 
 
 class _Slot:
@@ -185,13 +195,19 @@ KEEP_WAIT_S = 0.25
 
 
 class LiveOutput:
-    """Echoes new lines of each rank's output files to this process's stdout, prefixed."""
+    """Echoes new lines of each rank's output files, prefixed: its stdout to this process's
+    stdout, its stderr to stderr."""
 
-    def __init__(self, slots: list[_Slot], enabled: bool) -> None:
-        self.enabled = enabled
-        self._files = [(s.rank, path) for s in slots for path in (s.files.stdout, s.files.stderr)]
-        self._offsets = {path: 0 for _, path in self._files}
-        self._partial = {path: b"" for _, path in self._files}
+    def __init__(self, slots: list[_Slot], streams: LiveStreams | None) -> None:
+        self.enabled = streams is not None
+        self._streams = streams or LiveStreams()
+        self._files = [
+            (s.rank, path, is_err)
+            for s in slots
+            for path, is_err in ((s.files.stdout, False), (s.files.stderr, True))
+        ]
+        self._offsets = {path: 0 for _, path, _ in self._files}
+        self._partial = {path: b"" for _, path, _ in self._files}
         self._started = False
 
     def drain(self, final: bool = False) -> None:
@@ -199,7 +215,9 @@ class LiveOutput:
         so a last line without its newline goes too."""
         if not self.enabled:
             return
-        for rank, path in self._files:
+        out = self._streams.out or sys.stdout
+        err = self._streams.err or sys.stderr
+        for rank, path, is_err in self._files:
             data = self._partial[path] + self._read_new(path)
             *lines, self._partial[path] = data.split(b"\n")
             if final and self._partial[path]:
@@ -207,10 +225,12 @@ class LiveOutput:
                 self._partial[path] = b""
             for line in lines:
                 if not self._started:  # off pytest's progress line, onto one of its own
-                    sys.stdout.write("\n")
+                    out.write("\n")
+                    out.flush()
                     self._started = True
-                sys.stdout.write(f"[rank {rank}] {line.decode(errors='replace')}\n")
-        sys.stdout.flush()
+                (err if is_err else out).write(f"[rank {rank}] {line.decode(errors='replace')}\n")
+        out.flush()
+        err.flush()
 
     def _read_new(self, path: Path) -> bytes:
         try:
@@ -273,7 +293,7 @@ class Pool:
             poll.register(slot.process.sentinel, select.POLLIN)
         return not poll.poll(0)
 
-    def run(self, tasks: list[RunTask], live: bool = False) -> list[RankOutcome]:
+    def run(self, tasks: list[RunTask], live: LiveStreams | None = None) -> list[RankOutcome]:
         """Run one task per rank and return every rank's outcome, in rank order.
 
         `live`: echo each rank's output lines as they come, "[rank k] ..." (pytest -s).
@@ -344,10 +364,10 @@ class _Run:
     """The pytest side of one run: send, wait for every rank within the deadline, classify."""
 
     def __init__(
-        self, pool: Pool, tasks: list[RunTask], timeout_s: float, live: bool = False
+        self, pool: Pool, tasks: list[RunTask], timeout_s: float, live: LiveStreams | None = None
     ) -> None:
         self.pool = pool
-        self._live = LiveOutput(pool.slots, enabled=live)
+        self._live = LiveOutput(pool.slots, live)
         self.slots = list(pool.slots)
         self.tasks = tasks
         self.key = tasks[0].key

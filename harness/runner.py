@@ -545,9 +545,27 @@ def run(
     """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
     from harness.pool import RunRequest
 
-    # -s and --capture=tee-sys: rank output as it comes (tee-sys keeps it for the report too)
-    live = config.getoption("capture", None) in ("no", "tee-sys")
-    return pools_of(config).run(RunRequest(spec, target, args_blob, live))
+    return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
+
+
+def _live_streams(config: pytest.Config) -> Any:
+    """-s and --capture=tee-sys: where rank output goes as it comes (None: kept only for the
+    report). Under tee-sys, the streams its capture tees to: written to the capture itself,
+    rank output would be shown again as the test's own (tee-sys keeps it in the ranks'
+    report sections already)."""
+    from harness.pool import LiveStreams
+
+    method = config.getoption("capture", None)
+    if method == "no":
+        return LiveStreams()
+    if method != "tee-sys":
+        return None
+    capman = config.pluginmanager.getplugin("capturemanager")
+    capturing = getattr(capman, "_global_capturing", None)  # pytest's own: None if it changes
+    return LiveStreams(
+        getattr(getattr(capturing, "out", None), "_old", None),
+        getattr(getattr(capturing, "err", None), "_old", None),
+    )
 
 
 def pools_of(config: pytest.Config) -> Pools:

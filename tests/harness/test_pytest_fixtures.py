@@ -83,33 +83,43 @@ def test_each_rank_has_its_own_tmp_path(inner: pytest.Pytester) -> None:
 def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
-        import pytest
+        import sys, pytest
 
         @pytest.mark.ranks(2)
         def test_talks(rank):
             print(f"working on {rank}")
+            print(f"careful on {rank}", file=sys.stderr)
         """
     )
     result = inner.runpytest_subprocess("-p", "harness", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines_random(["[[]rank 0[]] working on 0", "[[]rank 1[]] working on 1"])
+    result.stderr.fnmatch_lines_random(["[[]rank 0[]] careful on 0", "[[]rank 1[]] careful on 1"])
+    result.stdout.no_fnmatch_line("*careful on*")  # stderr stays stderr, as a plain test's
 
 
 def test_tee_sys_shows_rank_output_live_and_keeps_it(inner: pytest.Pytester) -> None:
+    # Live, as a plain test's under tee-sys: stdout to pytest's stdout, stderr to its stderr;
+    # kept once, in the ranks' own report sections (not again as the test's own output).
     inner.makepyfile(
         """
-        import pytest
+        import sys, pytest
 
         @pytest.mark.ranks(2)
         def test_talks(rank):
             print(f"working on {rank}")
+            print(f"careful on {rank}", file=sys.stderr)
         """
     )
     result = inner.runpytest_subprocess("-p", "harness", "--capture=tee-sys", "-rP")
     result.assert_outcomes(passed=1)
     live = result.stdout.str().split("= PASSES =")[0]  # before the report's sections
     assert "[rank 0] working on 0" in live and "[rank 1] working on 1" in live, live
+    assert "[rank 1] careful on 1" in result.stderr.str()
+    assert "careful on 1" not in live
     result.stdout.fnmatch_lines(["*Captured stdout [[]rank 1[]] call*", "working on 1"])
+    result.stdout.fnmatch_lines(["*Captured stderr [[]rank 1[]] call*", "careful on 1"])
+    assert result.stdout.str().count("working on 1") == 2, result.stdout.str()
 
 
 def test_output_a_test_left_in_a_stream_it_then_replaced_is_in_its_report(
