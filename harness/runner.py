@@ -430,7 +430,8 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     text = failure_text(outcomes, spec.expected)
     if text is not None:
         first, _, rest = text.partition("\n")
-        message = f"{first}  [{spec.world_size} ranks, {item.nodeid}]\n{rest}"
+        ranks = f"{spec.world_size} rank{'s' if spec.world_size != 1 else ''}"
+        message = f"{first}  [{ranks}, {item.nodeid}]\n{rest}"
         raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
 
 

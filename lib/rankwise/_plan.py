@@ -96,17 +96,16 @@ def set_distribution_plan(model: nn.Module, plan: DistributionPlan) -> None:
 def distribution_plan(model: nn.Module) -> DistributionPlan:
     """The plan recorded on `model`; a model without one is a single process's.
 
-    Unless it shows otherwise: a model without a plan that is FSDP2-sharded, or held in a
-    run of several ranks, raises instead of being taken for a single process's.
+    Unless it shows otherwise: a model without a plan that is FSDP2-sharded (or holds
+    sharded parameters, as a leaf of a sharded model does), or held in a run of several
+    ranks, raises instead of being taken for a single process's.
     """
     model = _unwrapped(model)
     plan = vars(model).get(_ATTRIBUTE)
     if isinstance(plan, DistributionPlan):
         return plan
-    from rankwise._fsdp import is_fsdp2_model
-
-    if is_fsdp2_model(model) or is_distributed_run():
-        why = "is FSDP2-sharded" if is_fsdp2_model(model) else f"is held in a run of {size()} ranks"
+    why = _why_not_single_process(model)
+    if why:
         raise RuntimeError(
             f"distribution_plan: {type(model).__name__} records no plan but {why}; record it "
             f"where the model is distributed: set_distribution_plan(model, DistributionPlan("
@@ -114,3 +113,26 @@ def distribution_plan(model: nn.Module) -> DistributionPlan:
             f"none: read the plan off the model it was added to"
         )
     return DistributionPlan()
+
+
+def _why_not_single_process(model: nn.Module) -> str:
+    """Why a model without a plan is not a single process's ("" when nothing shows it is
+    not): sharded by FSDP2, its parameters sharded (DTensors: a leaf of a sharded model is
+    not wrapped itself), or held in a run of several ranks."""
+    from rankwise._fsdp import is_fsdp2_model
+
+    if is_fsdp2_model(model):
+        return "is FSDP2-sharded"
+    if any(_is_dtensor(p) for p in model.parameters()):
+        return "holds sharded (DTensor) parameters"
+    if is_distributed_run():
+        return f"is held in a run of {size()} ranks"
+    return ""
+
+
+def _is_dtensor(tensor: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed: nothing is sharded
+        return False
+    return isinstance(tensor, DTensor)
