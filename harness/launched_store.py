@@ -23,6 +23,7 @@ from harness.launch_detect import Launch
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
 SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone
+QUIET_AFTER_S = 2.5 * HEARTBEAT_S  # unchanged this long when a wait ends: gone, most likely
 STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
@@ -124,6 +125,8 @@ class Peers:
     def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
         given_up: dict[int, str] = {}
         start = looked = time.monotonic()
+        for r in awaited:  # each peer's heartbeat as now: one that never changes went quiet
+            self._silent(r)
         for _ in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
             if not waiting or self.store.check([keys[r] for r in waiting]):
@@ -168,6 +171,13 @@ class Peers:
     def _late(self, rank: int, waited: float) -> str:
         at = self._at(rank)
         where = "before the first test" if at < 0 else f"at {self.name_of(at)}"
+        self._silent(rank)
+        quiet = time.monotonic() - self._beats[rank][1]
+        if quiet >= QUIET_AFTER_S:  # beats missed in a short wait: gone, most likely
+            return (
+                f"it gave no sign of life for {quiet:.3g} s (it was {where}): its process has "
+                f"likely ended (the launcher's summary gives its exit status)"
+            )
         return f"it did not answer within {waited:.3g} s (it was {where})"
 
 

@@ -274,6 +274,25 @@ def test_never_runs():
 
 
 @pytest.mark.slow
+def test_a_rank_that_dies_in_a_plain_test_is_reported_as_gone(pytester: pytest.Pytester) -> None:
+    # No harness fault and no rank worker: its peer only sees that it went silent.
+    source = """
+def test_plain_dies_on_rank_1():
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def test_after():
+    pass
+"""
+    result = torchrun(write(pytester, test_gone=source), 2)
+    out = result.output
+    assert "rank 1: it gave no sign of life for" in out, out
+    assert "its process has likely ended" in out
+    assert "did not answer" not in out
+    assert sorted(result.exit_codes()) == [-9, 1], out
+
+
+@pytest.mark.slow
 def test_ranks_that_collect_different_tests_stop_at_the_start(pytester: pytest.Pytester) -> None:
     source = """
 @pytest.mark.parametrize("i", range(3 if os.environ["RANK"] == "1" else 2))
