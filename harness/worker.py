@@ -49,6 +49,7 @@ from harness import (
     kept_group,
     rank_logs,
     rank_state,
+    rank_stdin,
     rank_warnings,
     reaper,
 )
@@ -93,6 +94,7 @@ def main(conn: Any, files: RankFiles) -> None:
     where = _WhereBoard(str(files.where))
     where.install()
     kept_group.watch_operations()
+    rank_stdin.install(lambda: _serving_rank)
     global _baseline, _worker_pid
     _worker_pid = os.getpid()
     _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
@@ -252,6 +254,8 @@ def _serve(task: RunTask) -> RankOutcome:
     What cannot be undone fails the test on this rank (a leftover the pytest side reports),
     and the pool then replaces its ranks, so the next test is not hurt.
     """
+    global _serving_rank
+    _serving_rank = task.rank
     saved_env = environment.snapshot()
     cuda_device = rank_state.cuda_device()
     outcome, test_env = _run_task(task)
@@ -346,6 +350,7 @@ def _xfail_as_pytest_has_it(runxfail: bool) -> None:
 
 
 _baseline: rank_state.Baseline | None = None
+_serving_rank = -1  # the rank of the task this process serves now
 _worker_pid = 0  # this rank's own pid (a forked copy of it has another)
 _stack_file: Any = None
 _stack_path: Path | None = None

@@ -630,6 +630,32 @@ def test_caplog_in_a_rank_keeps_each_phase_apart_as_in_pytest(inner: pytest.Pyte
     inner.runpytest("-p", "harness").assert_outcomes(passed=1)
 
 
+def test_reading_stdin_in_a_rank_says_why_it_cannot(inner: pytest.Pytester) -> None:
+    # As a plain test's read under capture raises, not an empty line; breakpoint() included
+    # (it quit at once with a bare BdbQuit).
+    inner.makepyfile(
+        """
+        import sys, pytest
+
+        @pytest.mark.ranks(2)
+        def test_reads(rank):
+            with pytest.raises(OSError, match=f"rank {rank}: reading from stdin"):
+                sys.stdin.readline()
+            with pytest.raises(OSError, match="no terminal"):
+                input("? ")
+            assert not sys.stdin.isatty()
+
+        @pytest.mark.ranks(2)
+        def test_debugs(rank):
+            breakpoint()
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank ? failed: raised OSError: rank ?: reading from stdin*"])
+    result.stdout.fnmatch_lines(["*breakpoint() and pdb*print what you need*"])
+
+
 def test_runxfail_makes_pytest_xfail_in_a_rank_a_no_op_as_in_pytest(
     inner: pytest.Pytester,
 ) -> None:
