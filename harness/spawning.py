@@ -82,12 +82,12 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     finally:
-        mine = [(context, owner) for context, owner in _started if owner is item]
+        mine = [context for context, owner in _started if owner is item]
         _started[:] = [(context, owner) for context, owner in _started if owner is not item]
         body_raised = item.stash.get(_body_raised_key, False)
         __tracebackhide__ = True  # the error is the run's report, not the harness's frames
-        failures = _unjoined_failures([context for context, _ in mine], body_raised)
-        if failures:
+        failures = _unjoined_failures(mine, body_raised)
+        if failures:  # raised outside any handler: chained only to a teardown's own error
             raise _not_joined(failures)
 
 
