@@ -296,7 +296,7 @@ class Pool:
     def run(self, tasks: list[RunTask], live: LiveStreams | None = None) -> list[RankOutcome]:
         """Run one task per rank and return every rank's outcome, in rank order.
 
-        `live`: echo each rank's output lines as they come, "[rank k] ..." (pytest -s).
+        `live`: echo each rank's output lines there as they come, "[rank k] ..." (-s, tee-sys).
         """
         completed = False
         try:

@@ -44,7 +44,7 @@ from harness.protocol import (
 from harness.settings import settings_of, spec_for_call
 
 if TYPE_CHECKING:
-    from harness.pool import Pools
+    from harness.pool import LiveStreams, Pools
 
 _pools_key = pytest.StashKey["Pools"]()
 _leftovers_key = pytest.StashKey[str]()
@@ -549,7 +549,7 @@ def run(
     return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
 
 
-def _live_streams(config: pytest.Config) -> Any:
+def _live_streams(config: pytest.Config) -> LiveStreams | None:
     """-s and --capture=tee-sys: where rank output goes as it comes (None: kept only for the
     report). Under tee-sys, the streams its capture tees to: written to the capture itself,
     rank output would be shown again as the test's own (tee-sys keeps it in the ranks'
