@@ -135,15 +135,16 @@ def test_a_sharded_model_without_a_plan_raises_and_one_with_a_plan_keeps_it(rank
     assert rw.distribution_plan(planned.model.layers[0]) == plan
 
 
-@pytest.mark.ranks(1, timeout=120)
+@pytest.mark.ranks(1)
 def test_a_leaf_of_a_sharded_model_without_a_plan_raises_in_a_run_of_one(rank: int) -> None:
     # Not wrapped itself, but its parameters are the sharded model's DTensors: no single
     # process's module, whatever the run's size.
-    from tests.lib.tiny_models import build
+    from torch.distributed.fsdp import fully_shard
 
-    unplanned = build("llama")
-    rw.fsdp2_wrap(unplanned)
-    leaf = unplanned.model.layers[0].mlp.up_proj
+    unplanned = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    fully_shard(unplanned[0])
+    fully_shard(unplanned)
+    leaf = unplanned[0][0]
     assert not rw.is_fsdp2_model(leaf)
     with pytest.raises(RuntimeError, match="records no plan but holds sharded"):
         rw.distribution_plan(leaf)
