@@ -47,6 +47,7 @@ class _Group:
     # when the test began: they reach the group without its Python methods, so one the test
     # left unwaited shows only here (an entry stays until its tensor is waited for).
     unwaited_before: int | None = None
+    store: Any = None  # the store it was made with; each test on it gets keys of its own below
 
 
 _current: _Group | None = None
@@ -59,6 +60,7 @@ def made(group_id: str, keepable: bool) -> None:
     forget()
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
     _current.unwaited_before = _unwaited_functional()
+    _current.store = _world().pg_map[_current.pg][1]
 
 
 def counts() -> tuple[int, int] | None:
@@ -163,11 +165,17 @@ def reusable(group_id: str | None) -> bool:
     return dist.is_initialized() and _default() is _current.pg
 
 
-def reuse() -> None:
-    """Start a test on the kept group: its subgroups are the ones made from now on."""
+def reuse(store_prefix: str) -> None:
+    """Start a test on the kept group: its subgroups are the ones made from now on, and the
+    default store (which new_group and the test itself write to) gives it keys of its own
+    under `store_prefix`: a group named by its ranks (use_local_synchronization) would
+    otherwise meet the addresses the last test's left."""
     assert _current is not None
     _current.before_test = _groups()
     _current.unwaited_before = _unwaited_functional()
+    backend, _ = _world().pg_map[_current.pg]
+    store = dist.PrefixStore(store_prefix, _current.store)  # type: ignore[attr-defined]
+    _world().pg_map[_current.pg] = (backend, store)
 
 
 def keep(run_key: str) -> str | None:
@@ -185,6 +193,8 @@ def keep(run_key: str) -> str | None:
     unwaited = _unwaited_functional()
     if unwaited is None or unwaited != _current.unwaited_before:  # the same, by another road
         return None
+    if _current.pg in _world().pg_coalesce_state:  # a coalescing block an error left open:
+        return None  # the next test's collectives would only be queued, never run
     subgroups = [
         group for group in group_release.process_groups() if id(group) not in _current.before_test
     ]
@@ -201,6 +211,10 @@ def kept_after(run_key: str) -> bool:
 def forget() -> None:
     global _current
     _current = None
+
+
+def _world() -> Any:
+    return dist.distributed_c10d._world
 
 
 def _default() -> Any:

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed
 
 STANDARD_FDS = (0, 1, 2)
 # The C function signal.getsignal wraps, without its enum lookup per signal (~1 us each).
 getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
+_distributed: Any = torch.distributed  # its debug-level functions are not in torch's stubs
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 _TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 
@@ -37,6 +39,7 @@ class Baseline:
     threads: int
     grad: bool  # torch.is_grad_enabled()
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
+    debug_level: Any  # torch.distributed's: DETAIL on one rank would wrap its next groups only
 
 
 def open_streams() -> tuple[Any, Any]:
@@ -61,6 +64,7 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         threads=torch.get_num_threads(),
         grad=torch.is_grad_enabled(),
         deterministic=_deterministic(),
+        debug_level=_distributed.get_debug_level(),
     )
 
 
@@ -88,6 +92,8 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
     if _deterministic() != base.deterministic:
         mode, warn_only = base.deterministic
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    if _distributed.get_debug_level() != base.debug_level:
+        _distributed.set_debug_level(base.debug_level)
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
     for timer in _TIMERS:  # an alarm the test set would go off in a later test

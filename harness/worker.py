@@ -65,6 +65,7 @@ from harness.protocol import (
     Kind,
     Message,
     RankFiles,
+    RankSpec,
     Ready,
     RequestInfo,
     RunTask,
@@ -407,6 +408,8 @@ def _enter_test_context(task: RunTask) -> None:
         return
     if spec.bare:  # as under torch.multiprocessing.spawn: the target makes its own group
         return
+    # The store client serves every test of this rank: a timeout one test set is not the next's.
+    _client_store(task).set_timeout(_group_timeout(spec))
     if task.reuse_group is not None:
         _check_kept_group(task, reuse)
     else:
@@ -436,7 +439,7 @@ def _check_kept_group(task: RunTask, held: bool) -> None:
     """
     if not held:  # torn down here already, so peers waiting on it fail at once
         raise _SetUpFailed(f"rank {task.rank}: the kept process group is gone on this rank")
-    kept_group.reuse()
+    kept_group.reuse(task.store_prefix)
 
 
 def _init_group(task: RunTask, store: Any) -> None:
@@ -449,7 +452,7 @@ def _init_group(task: RunTask, store: Any) -> None:
         store=store,
         rank=task.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s + GROUP_TIMEOUT_MARGIN_S),
+        timeout=_group_timeout(spec),
         **kwargs,
     )
     failures = int(os.environ.get(SIMULATED_SET_UP_FAILURES, "0"))
@@ -492,9 +495,15 @@ def _client_store(task: RunTask) -> Any:
             task.store_port,
             is_master=False,
             wait_for_workers=False,
-            timeout=timedelta(seconds=task.spec.timeout_s + GROUP_TIMEOUT_MARGIN_S),
+            timeout=_group_timeout(task.spec),
         )
     return _stores[key]
+
+
+def _group_timeout(spec: RankSpec) -> timedelta:
+    """The bound of a test's group and store: past the test's own, so the harness's timer
+    names a hang before torch's timeout turns it into an error."""
+    return timedelta(seconds=spec.timeout_s + GROUP_TIMEOUT_MARGIN_S)
 
 
 def _launch_env(task: RunTask) -> dict[str, str]:

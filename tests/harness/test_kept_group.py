@@ -6,15 +6,19 @@ from __future__ import annotations
 import pytest
 
 GROUPS = """
+import weakref
 import pytest, torch, torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-# The default group's store in each test: the same object while the group is kept. (Keeping
+# The default group of each test: the same object while the group is kept. (Weakly: keeping
 # the groups themselves would keep a failed test's sockets open, and its peers waiting.)
 SEEN = []  # the module lives as long as the rank
 
+def same(a, b):
+    return a() is not None and a() is b()
+
 def note_group():
-    SEEN.append(c10d._get_default_store())
+    SEEN.append(weakref.ref(c10d._get_default_group()))
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()
@@ -33,7 +37,7 @@ def test_clean(rank, i):
 @pytest.mark.ranks(2)
 def test_check(rank):
     note_group()
-    assert all(store is SEEN[0] for store in SEEN), "every clean test ran on the same group"
+    assert all(same(seen, SEEN[0]) for seen in SEEN), "every clean test ran on the same group"
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
@@ -60,7 +64,7 @@ def test_b_fails(rank):
 @pytest.mark.ranks(2)
 def test_c_after_failure(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2], "a failed test's group is never reused"
+    assert not same(SEEN[-1], SEEN[-2]), "a failed test's group is never reused"
 
 @pytest.mark.ranks(2)
 def test_d_makes_a_subgroup(rank):
@@ -71,7 +75,7 @@ def test_d_makes_a_subgroup(rank):
 @pytest.mark.ranks(2)
 def test_e_subgroup_gone(rank):
     note_group()
-    assert SEEN[-1] is SEEN[-2]
+    assert same(SEEN[-1], SEEN[-2])
     assert len(c10d._world.pg_map) == 1, "the test's subgroups die with it"
 
 @pytest.mark.ranks(2)
@@ -83,12 +87,12 @@ def test_f_destroys_it(rank):
 @pytest.mark.ranks(2)
 def test_g_after_destroy(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
 
 @pytest.mark.ranks(2, fresh_group=True)
 def test_h_asks_for_fresh(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
 """
     )
     inner.runpytest("-p", "harness", "-v").assert_outcomes(passed=8)
@@ -102,7 +106,7 @@ def test_the_session_can_ask_for_fresh_groups(inner: pytest.Pytester) -> None:
 @pytest.mark.parametrize("i", range(3))
 def test_clean(rank, i):
     note_group()
-    assert len(set(map(id, SEEN))) == len(SEEN)
+    assert not any(same(a, b) for a, b in zip(SEEN, SEEN[1:]))
 """
     )
     inner.runpytest("-p", "harness", "--rank-fresh-group").assert_outcomes(passed=3)
@@ -121,7 +125,7 @@ def test_a_leaves_a_send_unreceived(rank):
 @pytest.mark.ranks(2)
 def test_b_gets_no_stale_message(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2], "counts that differ mean a fresh group"
+    assert not same(SEEN[-1], SEEN[-2]), "counts that differ mean a fresh group"
     t = torch.full((1,), 7.0)
     if rank == 0:
         dist.send(t, dst=1)
@@ -141,7 +145,7 @@ def test_c_a_send_received(rank):
 @pytest.mark.ranks(2)
 def test_d_kept_when_every_count_agrees(rank):
     note_group()
-    assert SEEN[-1] is SEEN[-2]
+    assert same(SEEN[-1], SEEN[-2])
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
@@ -196,19 +200,19 @@ def test_a_rank_0_loses_it(rank):
 @pytest.mark.ranks(2)
 def test_b_fresh(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
 
 @pytest.mark.ranks(2)
 def test_d_rank_1_loses_it(rank):
     note_group()
-    assert SEEN[-1] is SEEN[-2]
+    assert same(SEEN[-1], SEEN[-2])
     if rank == 1:
         lose_the_group_before_the_next_test()
 
 @pytest.mark.ranks(2)
 def test_e_fresh(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=4)
@@ -227,7 +231,7 @@ def test_a_leaves_an_all_reduce_unmatched(rank):
 @pytest.mark.ranks(2)
 def test_b_still_correct(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
     assert t.tolist() == [3.0, 3.0]
@@ -259,7 +263,7 @@ def test_a_shortens_it(rank):
 @pytest.mark.ranks(2, timeout=30)
 def test_b_has_the_harness_timeout(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2], "a group whose timeout a test changed is never reused"
+    assert not same(SEEN[-1], SEEN[-2]), "a group whose timeout a test changed is never reused"
     assert group_timeout() == SET_UP_WITH[0] != timedelta(seconds=3)
 """
     )
@@ -312,7 +316,7 @@ def test_a_leaves_mismatched_collectives_unwaited(rank):
 @pytest.mark.ranks(2)
 def test_b_fresh_and_correct(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
 """
     )
     inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)
@@ -337,7 +341,7 @@ def test_a_tags_that_never_match(rank):
 @pytest.mark.ranks(2)
 def test_b_gets_its_own_message(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
     t = torch.tensor([42.0])
     if rank == 0:
         dist.send(t, dst=1)
@@ -364,7 +368,7 @@ def test_a_group_on_rank_0_only(rank):
 @pytest.mark.ranks(2)
 def test_b_new_group_on_every_rank(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
     group = dist.new_group([0, 1])
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=group)
@@ -395,7 +399,7 @@ def test_a_leaves_functional_collectives_unwaited(rank):
 @pytest.mark.ranks(2)
 def test_b_fresh_and_correct(rank):
     note_group()
-    assert SEEN[-1] is not SEEN[-2]
+    assert not same(SEEN[-1], SEEN[-2])
     gathered = [torch.zeros(1) for _ in range(2)]
     dist.all_gather(gathered, torch.tensor([float(rank)]))
     assert [g.item() for g in gathered] == [0.0, 1.0]
@@ -409,7 +413,75 @@ def test_c_waited_functional_collectives_keep_it(rank):
 @pytest.mark.ranks(2)
 def test_d_kept(rank):
     note_group()
-    assert SEEN[-1] is SEEN[-2]
+    assert same(SEEN[-1], SEEN[-2])
 """
     )
     inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=4)
+
+
+def test_a_coalescing_block_left_by_an_error_gets_a_fresh_group(inner: pytest.Pytester) -> None:
+    # torch's _coalescing_manager has no finally: an error in its block leaves the group in
+    # coalescing state, and the next test's collectives would only be queued, never run.
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+def test_a_error_inside_coalescing(rank):
+    note_group()
+    with pytest.raises(ValueError):
+        with dist._coalescing_manager():
+            dist.all_reduce(torch.ones(2))
+            raise ValueError("boom")
+
+@pytest.mark.ranks(2)
+def test_b_fresh_and_correct(rank):
+    note_group()
+    assert not same(SEEN[-1], SEEN[-2])
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    assert t.item() == 3
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=2)
+
+
+def test_each_test_on_a_kept_group_gets_its_own_store_keys(inner: pytest.Pytester) -> None:
+    # Keys a test writes to the default store, itself or through new_group (groups named by
+    # a hash of their ranks, use_local_synchronization=True, get the same keys each time),
+    # must not be read by the next test on the same kept group.
+    inner.makepyfile(
+        GROUPS
+        + """
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("value", ["first", "second"])
+def test_share_through_the_store(rank, value):
+    note_group()
+    store = c10d._get_default_store()
+    if rank == 1:
+        assert not store.check(["answer"]), "a key the last test wrote"
+        store.set("checked", "1")
+        assert store.get("answer").decode() == value
+    else:
+        store.wait(["checked"])
+        store.set("answer", value)
+    if value == "second":
+        assert same(SEEN[-1], SEEN[-2])
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("i", range(3))
+def test_a_group_named_by_its_ranks(rank, i):
+    note_group()
+    store = c10d._get_default_store()
+    if rank == 0:
+        store.set("go", "1")
+    else:
+        store.wait(["go"])  # rank 1 comes to new_group after rank 0
+    group = dist.new_group([0, 1], use_local_synchronization=True)
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == 3
+    if i > 0:
+        assert same(SEEN[-1], SEEN[-2])
+"""
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=5)

@@ -91,6 +91,40 @@ def test_each_test_gets_a_fresh_group_on_warm_workers(inner: pytest.Pytester) ->
     assert len(pids) == 2, f"the 6 tests should share 2 warm ranks, saw pids {pids}"
 
 
+def test_a_tests_store_timeout_and_debug_level_do_not_reach_the_next(
+    inner: pytest.Pytester,
+) -> None:
+    # Both live in the rank process, beyond any one group: a rank's store client serves
+    # every test, and torch's debug level wraps every group made after it is set.
+    inner.makepyfile(
+        """
+        from datetime import timedelta
+        import pytest, torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        @pytest.mark.ranks(2)
+        def test_a_changes_them(rank):
+            c10d._get_default_store().set_timeout(timedelta(milliseconds=100))
+            if rank == 0:
+                dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+        @pytest.mark.ranks(2, fresh_group=True)
+        def test_b_on_a_fresh_group(rank):
+            assert c10d._get_default_store().timeout >= timedelta(seconds=10)
+            assert dist.get_debug_level() == dist.DebugLevel.OFF
+
+        @pytest.mark.ranks(2)
+        def test_c_changes_them_again(rank):
+            c10d._get_default_store().set_timeout(timedelta(milliseconds=100))
+
+        @pytest.mark.ranks(2)
+        def test_d_on_the_kept_group(rank):
+            assert c10d._get_default_store().timeout >= timedelta(seconds=10)
+        """
+    )
+    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=4)
+
+
 def test_fixtures_are_resolved_here_and_sent(inner: pytest.Pytester) -> None:
     inner.makeconftest(
         """
