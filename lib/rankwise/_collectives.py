@@ -19,7 +19,7 @@ import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -96,6 +96,8 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
         else:
             entry, error, payload = Entry(), None, b""
         headers = exchange(call, replace(entry, root=_as_root(src)), None, payload)
+        if any(kind != _KINDS[call.kind] for kind in headers.kinds):  # before any failure:
+            leave_out_of_step(headers, error)  # a peer in another collective has left it
         _raise_for_refusals(headers, error, src)
         _raise_for_source(headers, error, src)
         data = headers.inline[headers.members.index(src)]
@@ -125,7 +127,8 @@ class Call:
     @functools.cached_property
     def key(self) -> int:
         """A digest of kind and label, the same in every process (unlike hash())."""
-        digest = hashlib.blake2b(f"{self.kind}\0{self.label}".encode(), digest_size=8).digest()
+        text = f"{self.kind}\0{self.label}".encode("utf-8", "surrogatepass")  # any str at all
+        digest = hashlib.blake2b(text, digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
 
 
@@ -201,7 +204,11 @@ def _words(text: str, error: str) -> bytes:
     then the call (a label of wide characters can fill a header on its own)."""
     call = text[:400]
     while True:
-        words = json.dumps({"call": call, "error": error}, ensure_ascii=False).encode()
+        said = {"call": call, "error": error}
+        try:
+            words = json.dumps(said, ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a lone surrogate (a file name that is not UTF-8): escaped
+            words = json.dumps(said).encode()
         if len(words) <= HEADER_BYTES:
             return words
         if len(error) > 16:
@@ -240,7 +247,8 @@ def _fits(entry: Entry) -> bool:
 def out_of_step(headers: Headers) -> RuntimeError:
     """The error every rank raises when ranks are in different labelled collectives."""
     where = "; ".join(
-        f"rank {m} in {t}" for m, t in zip(headers.members, headers.texts, strict=True)
+        f"rank {m} in {t}" + (f", which raised {e.error}" if e.status == "error" else "")
+        for m, t, e in zip(headers.members, headers.texts, headers.entries, strict=True)
     )
     error = RuntimeError(
         f"{headers.call.text} on rank {rank()}: ranks out of step ({where}); every rank must "
@@ -270,9 +278,29 @@ def _from(origin: int, error: BaseException) -> BaseException:
     others the RuntimeError (or SystemExit) naming it. A test runner can then name the
     origin even when another rank's error was reported first.
     """
-    with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attributes
-        error.origin_rank = origin  # type: ignore[attr-defined]
+    if getattr(error, "origin_rank", None) is None:  # set where it first failed: kept
+        with contextlib.suppress(AttributeError, TypeError):  # one that takes no attributes
+            error.origin_rank = origin  # type: ignore[attr-defined]
     return error
+
+
+def _leaving(error: BaseException) -> BaseException:
+    """`error`, marked so that an enclosing collective's fn lets it through at once, as its
+    peers leave: joining the enclosing exchange alone would wait for them until the timeout."""
+    with contextlib.suppress(AttributeError, TypeError):
+        error._rankwise_out_of_step = True  # type: ignore[attr-defined]
+    return error
+
+
+def leave_out_of_step(headers: Headers, error: BaseException | None) -> NoReturn:
+    """Ranks are in different collectives: every rank leaves, and any enclosing one too. A
+    rank whose own fn failed (or that refused its arguments) raises its own error; the
+    others a RuntimeError naming every rank's call, marked with the first failing rank."""
+    if error is not None and not isinstance(error, SystemExit):
+        raise _from(rank(), _leaving(error))
+    entries = zip(headers.members, headers.entries, strict=True)
+    failed = [m for m, e in entries if e.status == "error"]
+    raise _from(failed[0], out_of_step(headers)) if failed else out_of_step(headers)
 
 
 def raise_for_failures(
@@ -281,17 +309,7 @@ def raise_for_failures(
     """Raise on every rank if any rank failed or is out of step (see all_reduce for who
     raises what); `failed_as` words the others' message: "rank 2 raised ValueError: ..."."""
     if not headers.in_step:
-        if error is not None and getattr(error, "_rankwise_refusal", False):
-            # Its own bad label put it out of step. Inside an enclosing collective's fn it
-            # must leave that one too, as its peers do: its exchange would wait for them.
-            error._rankwise_out_of_step = True  # type: ignore[attr-defined]
-            raise _from(rank(), error)
-        refused = [
-            m
-            for m, e, key in zip(headers.members, headers.entries, headers.keys, strict=True)
-            if e.status == "error" and key != headers.call.key
-        ]  # out of step because its own call failed (a bad label): the failure is its
-        raise _from(refused[0], out_of_step(headers)) if refused else out_of_step(headers)
+        leave_out_of_step(headers, error)
     failed = [
         (m, e) for m, e in zip(headers.members, headers.entries, strict=True) if e.status == "error"
     ]
@@ -338,13 +356,21 @@ def run_fn(
         if held is not None:
             held.raise_if_any()
         payload = _wire.encode(fn(), f"{call.text} on rank {rank()}")
-    except SystemExit as exc:
-        return Entry("exit", code=_exit_code(exc)), exc, b""
     except BaseException as exc:
         if getattr(exc, "_rankwise_out_of_step", False):
             raise  # a collective inside fn found ranks out of step: every rank is leaving
-        return Entry("error", error=f"{type(exc).__name__}: {exc}"), exc, b""
+        if isinstance(exc, SystemExit):
+            return Entry("exit", code=_exit_code(exc)), exc, b""
+        return Entry("error", error=describe(exc)), exc, b""
     return Entry(length=len(payload)), None, payload
+
+
+def describe(exc: BaseException) -> str:
+    """ "ValueError: bad batch": the text a failure travels as, whatever its __str__ does."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as broken:  # its __str__ raised: it still travels, named
+        return f"{type(exc).__name__} (its message could not be read: {type(broken).__name__})"
 
 
 def load(data: bytes, what: str) -> Any:
@@ -381,10 +407,14 @@ def _members(group: Any) -> list[int]:
 def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
     """The call `kind(label)`, and the error for a label that is not a str (the call is then
     named by the label's repr, and still joins the exchange so its peers raise too)."""
-    if isinstance(label, str):
-        return Call(kind, label), None
-    error = TypeError(f"{kind}: label must be a str naming the collective; got {label!r}")
-    return Call(kind, repr(label), f"{kind}({label!r})"), error
+    if isinstance(label, str):  # a subclass as the str it is: its own repr may not work
+        return Call(kind, str.__str__(label)), None
+    try:
+        shown = repr(label)
+    except Exception:
+        shown = f"<a {type(label).__name__} whose repr raised>"
+    error = TypeError(f"{kind}: label must be a str naming the collective; got {shown}")
+    return Call(kind, shown, f"{kind}({shown})"), error
 
 
 def _src_error(call: Call, src: object, world: int) -> Exception | None:
@@ -399,7 +429,6 @@ def _src_error(call: Call, src: object, world: int) -> Exception | None:
 
 def _raising(error: BaseException) -> Callable[[], Any]:
     """A stand-in for `fn` that raises a rank's own argument error inside the exchange."""
-    error._rankwise_refusal = True  # type: ignore[attr-defined]  # raised first, in step or not
 
     def refuse() -> Any:
         raise error
@@ -441,8 +470,6 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _raise_for_source(headers: Headers, error: BaseException | None, src: int) -> None:
     """Before the value moves: every rank raises for another kind or src, or a failed src."""
-    if any(kind != _KINDS[headers.call.kind] for kind in headers.kinds):
-        raise out_of_step(headers)
     raise_if_disagreeing(headers, "src", [e.root for e in headers.entries])
     source = headers.of(src)
     if source.status == "exit":

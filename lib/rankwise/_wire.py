@@ -39,6 +39,11 @@ def encode(value: Any, what: str) -> bytes:
             text = json.dumps(value, allow_nan=True, separators=(",", ":"))
             json.loads(text)  # the limit applies when reading too
             return _JSON + text.encode()
+    if _holds_meta_tensor(value, set()):
+        raise WireError(
+            f"{what}: a tensor on the meta device has no data to send; materialize it first "
+            f"(load its weights, or to_empty()), or send its shape and dtype instead"
+        )
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
@@ -82,6 +87,23 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     if bytes(data[:1]) == _JSON:
         return json.loads(bytes(data[1:]))
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _holds_meta_tensor(value: Any, seen: set[int]) -> bool:
+    """Whether a meta tensor is in `value` (containers and objects' attributes, each looked
+    at once): torch.save keeps it as one, and it would load on the other side without data."""
+    if isinstance(value, torch.Tensor):
+        return bool(value.is_meta)
+    if isinstance(value, (str, bytes, int, float)) or id(value) in seen:
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return any(_holds_meta_tensor(item, seen) for item in items)
 
 
 def _plain(value: Any, depth: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -464,6 +465,116 @@ def test_a_bad_label_on_one_rank_inside_fn_leaves_no_rank_waiting(run_on_ranks: 
         assert o.origin_rank == 0, o.message
     for o in (out[1], out[2]):
         assert "ranks out of step" in o.message and "all_reduce(5)" in o.message, o.message
+
+
+def _outer_fails_on_rank_1_before_its_inner(inner: str) -> Any:
+    def fn() -> int:
+        if dist.get_rank() == 1:
+            raise FileNotFoundError("shard-1.bin")
+        if inner == "broadcast_from":
+            return rw.broadcast_from("cfg", lambda: 4)  # type: ignore[no-any-return]
+        return rw.all_reduce("cfg", lambda: 4, max)  # type: ignore[no-any-return]
+
+    return rw.all_reduce("outer", fn, sum)
+
+
+@pytest.mark.parametrize("inner", ["broadcast_from", "all_reduce"])
+def test_fn_failing_on_one_rank_before_its_inner_collective_leaves_no_rank_waiting(
+    run_on_ranks: Any, inner: str
+) -> None:
+    # Rank 1 is in the outer exchange while its peers are in the inner one: every rank
+    # leaves both calls at once, rank 1 with its own error, the others naming it.
+    out = run_on_ranks(_outer_fails_on_rank_1_before_its_inner, inner, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()
+    assert out[1].exc_name == "FileNotFoundError" and "shard-1.bin" in out[1].message
+    for o in out:
+        assert o.origin_rank == 1, o.message
+    for o in (out[0], out[2]):
+        assert "ranks out of step" in o.message and "FileNotFoundError: shard-1.bin" in o.message
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        return self.detail  # type: ignore[attr-defined, no-any-return]  # never set
+
+
+def _rank_1_fails_oddly(how: str) -> Any:
+    def fn() -> int:
+        if dist.get_rank() == 1:
+            if how == "unprintable":
+                raise _Unprintable()
+            name = os.fsdecode(b"ckpt-\xff.pt")  # a file name that is not UTF-8: a surrogate
+            raise ValueError(f"cannot read {name}")
+        return 1
+
+    if how == "broadcast_from":
+        return rw.broadcast_from("cfg", fn, src=1)
+    return rw.all_reduce("x", fn, sum)
+
+
+@pytest.mark.parametrize("how", ["surrogate", "broadcast_from", "unprintable"])
+def test_an_error_whose_text_cannot_travel_as_it_is_still_reaches_every_rank(
+    run_on_ranks: Any, how: str
+) -> None:
+    out = run_on_ranks(_rank_1_fails_oddly, how, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()
+    assert out[1].exc_name in ("ValueError", "_Unprintable"), out[1].message
+    for o in (out[0], out[2]):
+        assert o.exc_name == "RuntimeError" and o.origin_rank == 1, o.message
+        assert "rank 1 raised" in o.message
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr broke")
+
+
+class _StrWithBadRepr(str):
+    def __repr__(self) -> str:
+        raise RuntimeError("repr broke")
+
+
+def _odd_label_on_rank_1(how: str) -> Any:
+    odd = {"surrogate": "step-\udcff", "bad_repr": _BadRepr(), "str_subclass": _StrWithBadRepr("x")}
+    label = odd[how] if dist.get_rank() == 1 else "x"
+    return rw.all_reduce(label, lambda: 1, sum)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["surrogate", "bad_repr", "str_subclass"])
+def test_an_odd_label_on_one_rank_leaves_no_rank_waiting(run_on_ranks: Any, how: str) -> None:
+    out = run_on_ranks(_odd_label_on_rank_1, how, world_size=3, timeout=BOUND_S)
+    if how == "str_subclass":  # a str: the same label as its peers'
+        assert out.values == [3, 3, 3], out.report()
+        return
+    assert out.endings == [E, E, E], out.report()
+    for o in out:
+        assert o.origin_rank == 1 or "out of step" in o.message, o.message
+
+
+@pytest.mark.ranks(2)
+def test_a_surrogate_label_on_every_rank_works_as_in_one_process(rank: int) -> None:
+    assert rw.all_reduce("step-\udcff", lambda: 1, sum) == dist.get_world_size()
+
+
+def _inner_failure_on_rank_2() -> Any:
+    def fn() -> int:
+        return rw.all_reduce("inner", lambda: 1 / (dist.get_rank() - 2), sum)  # type: ignore[no-any-return]
+
+    return rw.all_reduce("outer", fn, sum)
+
+
+def test_the_origin_rank_survives_an_enclosing_collective(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_inner_failure_on_rank_2, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()
+    assert [o.origin_rank for o in out] == [2, 2, 2], out.report()
+
+
+def test_a_meta_tensor_is_refused_not_sent_without_its_data() -> None:
+    from rankwise._wire import WireError, encode
+
+    with pytest.raises(WireError, match="meta device"):
+        encode({"w": torch.ones(2, device="meta")}, "all_reduce('w') on rank 0")
+    encode({"w": torch.ones(2)}, "all_reduce('w') on rank 0")  # a real one travels
 
 
 def test_an_int_too_long_for_json_is_a_wire_error_naming_its_type() -> None:
