@@ -110,8 +110,8 @@ def distributed_run(
         _points.passed("distributed_run", "enter")  # a fault injected here acts as the body's
         yield state
         _points.passed("distributed_run", "exit")
-    except SystemExit:
-        _teardown(callers_group, wait=True)
+    except SystemExit as exc:
+        _teardown(callers_group, wait=True, exiting=exc)
         raise
     except BaseException:
         if not callers_group and is_initialized() and size() > 1:
@@ -176,28 +176,40 @@ def _prepare_launch(requested: torch.device, timeout: timedelta | None) -> torch
     return cuda
 
 
-def _teardown(callers_group: bool, wait: bool) -> None:
+def _teardown(callers_group: bool, wait: bool, exiting: SystemExit | None = None) -> None:
     """Destroy the group the run owns; on a normal exit, once every rank has got here.
 
     Destroying does not wait on gloo, so without the barrier a rank would leave while its
     peers still work. The barrier is bounded by the group's own timeout (the run's, for the
-    launch's group).
+    launch's group). `exiting`: the SystemExit the body raised, which stays the rank's own.
     """
     if callers_group or not is_initialized():
         return
     if wait and size() > 1:
-        _wait_for_every_rank()
-    dist.destroy_process_group()
+        _wait_for_every_rank(exiting)
+    if is_initialized():  # a failed wait destroyed it already
+        dist.destroy_process_group()
 
 
-def _wait_for_every_rank() -> None:
-    """A barrier whose failure says what it means: a peer left the run without finishing."""
+def _wait_for_every_rank(exiting: SystemExit | None) -> None:
+    """A barrier whose failure says what it means: a peer left the run without finishing,
+    or, for a rank exiting, that its peers did not exit with it."""
     where = f"rank {rank()} of {size()}"
     try:
         dist.barrier()
     except RuntimeError as exc:
         dist.destroy_process_group()
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if exiting is not None:  # its exit goes on, with its code: only say why it waited
+            print(
+                f"rankwise: distributed_run: {where} exited alone (SystemExit({exiting.code!r}))"
+                f" and waited for its peers at the run's end until that failed ({reason}): an "
+                f"exit must be every rank's (raise it inside all_reduce() or broadcast_from() "
+                f"so that it is), or raise an error instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         raise RuntimeError(
             f"distributed_run: {where} finished its run, but waiting for every rank at the "
             f"run's end failed ({reason}): a peer left without finishing (it aborted, "

@@ -484,7 +484,9 @@ def test_fn_failing_on_one_rank_before_its_inner_collective_leaves_no_rank_waiti
 ) -> None:
     # Rank 1 is in the outer exchange while its peers are in the inner one: every rank
     # leaves both calls at once, rank 1 with its own error, the others naming it.
-    out = run_on_ranks(_outer_fails_on_rank_1_before_its_inner, inner, world_size=3, timeout=BOUND_S)
+    out = run_on_ranks(
+        _outer_fails_on_rank_1_before_its_inner, inner, world_size=3, timeout=BOUND_S
+    )
     assert out.endings == [E, E, E], out.report()
     assert out[1].exc_name == "FileNotFoundError" and "shard-1.bin" in out[1].message
     for o in out:

@@ -185,6 +185,34 @@ def test_a_system_exit_tears_down_normally(run_on_ranks: Any) -> None:
     assert out.values == [(7, False)] * 4
 
 
+def _rank_1_exits_alone() -> int | None:
+    """Rank 1 exits with code 2 while its peers go on to a collective (3 s group timeout)."""
+    world, me = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    del os.environ["WORLD_SIZE"]
+    try:
+        with rw.distributed_run(device="cpu"):
+            dist.init_process_group(
+                "gloo", init_method="env://", rank=me, world_size=world,
+                timeout=timedelta(seconds=3),
+            )  # fmt: skip
+            if me == 1:
+                sys.exit(2)
+            rw.all_reduce("after", lambda: me, sum)
+    except SystemExit as exc:
+        return int(str(exc.code))
+    return None
+
+
+def test_a_rank_that_exits_alone_keeps_its_exit_code_and_is_told_why_it_waited(
+    run_on_ranks: Any,
+) -> None:
+    # The spec: it waits in the teardown until the group times out. Its exit stays its own
+    # (code 2), not a RuntimeError saying it "finished its run" and blaming a peer.
+    out = run_on_ranks(_rank_1_exits_alone, world_size=3, launch=True, timeout=60)
+    assert out[1].ending is Ending.RETURNED and out[1].value == 2, out.report()
+    assert "rank 1 of 3 exited alone (SystemExit(2))" in out[1].output, out[1].output
+
+
 # ---- a launch (torchrun's environment, no group yet) ----------------------------------------
 
 
