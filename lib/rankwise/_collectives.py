@@ -17,7 +17,7 @@ import functools
 import hashlib
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn, TypeVar
 
@@ -103,7 +103,8 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
         data = headers.inline[headers.members.index(src)]
         if data is None:  # too large for src's header
             sent = payload if rank() == src else None
-            data = _transport.broadcast_known(sent, headers.of(src).length, src)
+            with peers_answering(call):
+                data = _transport.broadcast_known(sent, headers.of(src).length, src)
     _raise_for_receiver(headers, src)
     held.raise_if_any()  # a fault injected on a receiver: after the value moved, alone
     return load(data, f"{call.text}: src rank {src}'s value")  # type: ignore[no-any-return]
@@ -180,13 +181,33 @@ def exchange(call: Call, mine: Entry, group: Any, payload: bytes = b"") -> Heade
     takes the second exchange or none does.
     """
     members = _members(group)
-    raw = _transport.all_gather_block(_header(call, mine, payload), group)
+    with peers_answering(call):
+        raw = _transport.all_gather_block(_header(call, mine, payload), group)
     headers = _parse(call, members, raw)
     if headers.agreed:
         return headers
-    said = _exchange_words(call.text, mine.error, group)
+    with peers_answering(call):
+        said = _exchange_words(call.text, mine.error, group)
     entries = [replace(e, error=w["error"]) for e, w in zip(headers.entries, said, strict=True)]
     return replace(headers, entries=entries, texts=[w["call"] for w in said])
+
+
+@contextlib.contextmanager
+def peers_answering(call: Call) -> Iterator[None]:
+    """Name the call when moving bytes with the peers fails: the backend's own error (gloo's
+    "Connection closed by peer", a timeout) says neither which collective nor what to do.
+    Every rank is leaving: an enclosing collective's fn lets it through."""
+    try:
+        yield
+    except RuntimeError as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise _leaving(
+            RuntimeError(
+                f"{call.text} on rank {rank()}: moving data with its peers failed ({reason}): "
+                f"a peer died, hung or never reached this collective; see that rank's own "
+                f"error or output"
+            )
+        ) from exc
 
 
 def _exchange_words(text: str, error: str, group: Any) -> list[dict[str, str]]:
@@ -338,7 +359,8 @@ def gather_values(call: Call, fn: Callable[[], Any], group: Any) -> list[Any]:
         blobs = [b for b in headers.inline if b is not None]
         if len(blobs) < len(headers.entries):  # a value too large for its header
             sizes = [e.length for e in headers.entries]
-            blobs = _transport.all_gather_known(payload, sizes, group)
+            with peers_answering(call):
+                blobs = _transport.all_gather_known(payload, sizes, group)
     return [
         load(blob, f"{call.text}: rank {member}'s value")
         for member, blob in zip(headers.members, blobs, strict=True)

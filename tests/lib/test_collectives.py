@@ -579,6 +579,25 @@ def test_a_meta_tensor_is_refused_not_sent_without_its_data() -> None:
     encode({"w": torch.ones(2)}, "all_reduce('w') on rank 0")  # a real one travels
 
 
+def _rank_1_dies_in_fn() -> Any:
+    def fn() -> int:
+        if dist.get_rank() == 1:
+            os._exit(3)
+        return 1
+
+    return rw.all_reduce("x", fn, sum)
+
+
+def test_a_peer_that_dies_in_fn_is_named_in_its_peers_errors(run_on_ranks: Any) -> None:
+    # Not gloo's bare "Connection closed by peer": which call, on which rank, and what to do.
+    out = run_on_ranks(_rank_1_dies_in_fn, world_size=3, timeout=BOUND_S)
+    assert out[1].ending is Ending.HARD_EXIT, out.report()
+    for o in (out[0], out[2]):
+        assert o.ending is E, out.report()
+        assert o.message.startswith("all_reduce('x') on rank"), o.message
+        assert "a peer died, hung or never reached this collective" in o.message
+
+
 def test_an_int_too_long_for_json_is_a_wire_error_naming_its_type() -> None:
     from rankwise._wire import WireError
 
