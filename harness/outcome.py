@@ -31,9 +31,12 @@ class Ending(enum.Enum):
 _PEER_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 # faulthandler's line for a frame of torch's collective API:
 #   File ".../distributed_c10d.py", line 5356 in barrier
-_C10D_FRAME = re.compile(r'distributed_c10d\.py", line \d+ in (\w+)')
+# (or of the functional collectives DeviceMesh and DTensor wait in: wait_tensor)
+_C10D_FRAME = re.compile(r'(?:distributed_c10d|_functional_collectives)\.py", line \d+ in (\w+)')
 # A traceback's line for the same frame: File ".../distributed_c10d.py", line 5356, in barrier
-_C10D_TRACEBACK_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
+_C10D_TRACEBACK_FRAME = re.compile(
+    r'(?:distributed_c10d|_functional_collectives)\.py", line \d+, in (\w+)'
+)
 # A traceback's frame in torch.distributed (c10d, functional collectives, FSDP, DTensor).
 _TORCH_DISTRIBUTED_FRAME = re.compile(r'File "[^"]*/torch/distributed/')
 _PEER_ERROR_TEXT = re.compile(

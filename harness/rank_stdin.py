@@ -37,7 +37,26 @@ class NoTerminal(io.TextIOBase):
         self._refuse()
 
     def readable(self) -> bool:
-        return True
+        return False  # as pytest's own stand-in says
+
+    def close(self) -> None:
+        pass  # it stays for the next test on this rank, as pytest's stays for the session
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    @property
+    def buffer(self) -> NoTerminal:
+        return self  # its binary reads refuse alike
+
+    @property
+    def name(self) -> str:
+        return "<stdin>"
+
+    @property
+    def mode(self) -> str:
+        return "r"
 
     def isatty(self) -> bool:
         return False

@@ -550,14 +550,14 @@ def run(
 
 
 def _live_streams(config: pytest.Config) -> LiveStreams | None:
-    """-s and --capture=tee-sys: where rank output goes as it comes (None: kept only for the
-    report). Under tee-sys, the streams its capture tees to: written to the capture itself,
-    rank output would be shown again as the test's own (tee-sys keeps it in the ranks'
-    report sections already)."""
+    """-s, -p no:capture and --capture=tee-sys: where rank output goes as it comes (None:
+    kept only for the report). Under tee-sys, the streams its capture tees to: written to
+    the capture itself, rank output would be shown again as the test's own (tee-sys keeps
+    it in the ranks' report sections already)."""
     from harness.pool import LiveStreams
 
     method = config.getoption("capture", None)
-    if method == "no":
+    if method in ("no", None):  # -s, or -p no:capture (no capture plugin, no option)
         return LiveStreams()
     if method != "tee-sys":
         return None

@@ -86,20 +86,26 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
         _started[:] = [(context, owner) for context, owner in _started if owner is not item]
         body_raised = item.stash.get(_body_raised_key, False)
         __tracebackhide__ = True  # the error is the run's report, not the harness's frames
-        failures = _unjoined_failures(mine, body_raised)
+        failures, skipped = _unjoined_failures(mine, body_raised)
         if failures:  # raised outside any handler: chained only to a teardown's own error
             raise _not_joined(failures)
+        if skipped is not None:  # a run skipped on every rank, and none failed
+            raise skipped
 
 
 UNJOINED_POLL_S = 0.02  # how often teardown looks for the next of several runs to end
 
 
-def _unjoined_failures(contexts: list[SpawnContext], body_raised: bool) -> list[Exception]:
+def _unjoined_failures(
+    contexts: list[SpawnContext], body_raised: bool
+) -> tuple[list[Exception], BaseException | None]:
     """Wait for each run never joined, as they end (not in the order they started), and
-    return their failures. Once the test has failed (its body raised, or one of these
-    failed), nobody will join the rest: those still going are ended after the grace."""
+    return their failures, and the first skip (a run skipped on every rank) if any. Once
+    the test has failed (its body raised, or one of these failed), nobody will join the
+    rest: those still going are ended after the grace."""
     pending = [context for context in contexts if not context.joined]
     failures: list[Exception] = []
+    skipped: BaseException | None = None
     failing = body_raised
     while pending:
         if failing:
@@ -111,11 +117,15 @@ def _unjoined_failures(contexts: list[SpawnContext], body_raised: bool) -> list[
             continue
         for context in ended:
             pending.remove(context)
-            failure = context.unjoined_failure()
+            try:
+                failure = context.unjoined_failure()
+            except pytest.skip.Exception as skip:  # no failure, but the others still count
+                skipped = skipped or skip
+                continue
             if failure is not None:
                 failures.append(failure)
                 failing = True
-    return failures
+    return failures, skipped
 
 
 def _not_joined(failures: list[Exception]) -> SpawnNotJoined:

@@ -789,7 +789,7 @@ def test_several_unjoined_runs_each_report_their_failure(inner: pytest.Pytester)
     inner.makepyfile(
         """
         import threading
-        import harness
+        import harness, pytest
 
         def fails(i, what):
             raise ValueError(f"{what} failed on rank {i}")
@@ -805,14 +805,26 @@ def test_several_unjoined_runs_each_report_their_failure(inner: pytest.Pytester)
             harness.spawn(serve_forever, nprocs=2, join=False)
             harness.spawn(fails, args=("run C",), nprocs=2, join=False)
 
+        def skips(i):
+            pytest.skip("no resource")
+
+        def test_a_skip_in_one_run_hides_no_failure_of_another():
+            harness.spawn(skips, nprocs=2, join=False)
+            harness.spawn(fails, args=("run D",), nprocs=1, join=False)
+
+        def test_a_skip_in_every_run_skips():
+            harness.spawn(skips, nprocs=2, join=False)
+
         def test_the_ranks_serve_the_next_test():
             harness.spawn(print, nprocs=2)
         """
     )
     result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
-    result.assert_outcomes(errors=2, passed=3)
+    result.assert_outcomes(errors=3, passed=5, skipped=1)  # a teardown skip: passed + skipped
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_a_skip_in_one_run*", "*run D failed*"])
     out = result.stdout.str()
     first, second = out.split("ERROR at teardown of test_one_fails_after")
+    second = second.split("ERROR at teardown of test_a_skip")[0]
     assert "2 harness.spawn(join=False) runs this test started were never joined" in first
     assert "run A failed on rank 0" in first and "run B failed on rank 0" in first
     assert "run C failed on rank 0" in second

@@ -98,6 +98,27 @@ def test_dash_s_streams_rank_output_live_with_a_prefix(inner: pytest.Pytester) -
     result.stdout.no_fnmatch_line("*careful on*")  # stderr stays stderr, as a plain test's
 
 
+def test_no_capture_plugin_shows_rank_output_live_as_dash_s_does(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, harness
+
+        @pytest.mark.ranks(2)
+        def test_talks(rank):
+            print(f"working on {rank}")
+
+        def spawned(i):
+            print(f"spawned {i}")
+
+        def test_spawns():
+            harness.spawn(spawned, nprocs=2)
+        """
+    )
+    result = inner.runpytest_subprocess("-p", "harness", "-p", "no:capture")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines_random(["[[]rank 1[]] working on 1", "[[]rank 1[]] spawned 1"])
+
+
 def test_tee_sys_shows_rank_output_live_and_keeps_it(inner: pytest.Pytester) -> None:
     # Live, as a plain test's under tee-sys: stdout to pytest's stdout, stderr to its stderr;
     # kept once, in the ranks' own report sections (not again as the test's own output).
@@ -648,10 +669,23 @@ def test_reading_stdin_in_a_rank_says_why_it_cannot(inner: pytest.Pytester) -> N
         @pytest.mark.ranks(2)
         def test_debugs(rank):
             breakpoint()
+
+        @pytest.mark.ranks(2)
+        def test_closes_it(rank):
+            sys.stdin.close()  # as pytest's stand-in does, nothing: the next test reads it
+            assert sys.stdin.buffer is not None and sys.stdin.name == "<stdin>"
+            with pytest.raises(OSError, match="reading from stdin"):
+                sys.stdin.buffer.read()
+
+        @pytest.mark.ranks(2)
+        def test_after_a_close(rank):
+            with pytest.raises(OSError, match="reading from stdin"):
+                for line in sys.stdin:
+                    pass
         """
     )
     result = inner.runpytest("-p", "harness")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*rank ? failed: raised OSError: rank ?: reading from stdin*"])
     result.stdout.fnmatch_lines(["*breakpoint() and pdb*print what you need*"])
 

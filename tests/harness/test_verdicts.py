@@ -683,3 +683,27 @@ def test_pytests_own_warnings_come_from_ranks_too(inner: pytest.Pytester) -> Non
     strict.stdout.fnmatch_lines(
         ["*rank 1 failed: raised PytestUnhandledThreadExceptionWarning*"], consecutive=False
     )
+
+
+def test_a_rank_waiting_in_a_functional_collective_names_the_peer_that_returned(
+    inner: pytest.Pytester,
+) -> None:
+    # DTensor's redistribute waits in the functional collectives' wait_tensor, not in
+    # distributed_c10d: the rank that returned without joining is still the root cause.
+    inner.makepyfile(
+        """
+        import pytest, torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        @pytest.mark.ranks(2)
+        def test_one_rank_skips_redistribute(rank, world_size):
+            mesh = init_device_mesh("cpu", (world_size,))
+            d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+            if rank == 0:
+                d.redistribute(mesh, [Replicate()])
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "8")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 returned while rank 0 *waited in*"])
