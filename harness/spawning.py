@@ -15,6 +15,7 @@ fixture. Imports no torch until a run raises torch's exception types.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import pickle
 import threading
@@ -38,6 +39,10 @@ _configs: list[pytest.Config] = []
 _items: list[pytest.Item] = []
 _calling: list[pytest.Item] = []  # the tests whose body is running (not a fixture)
 _started: list[tuple[SpawnContext, pytest.Item | None]] = []  # join=False runs, by test
+# join=False runs started outside a test body (a fixture's), with where they started: the
+# fixture's to join, and checked at the session's end in case it never does.
+_outside_body: list[tuple[SpawnContext, pytest.Config, str]] = []
+_lost_key = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -91,6 +96,42 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
             raise _not_joined(failures)
         if skipped is not None:  # a run skipped on every rank, and none failed
             raise skipped
+
+
+def _where_started(config: pytest.Config) -> str:
+    item = next((i for i in reversed(_items) if i.config is config), None)
+    return f"started while setting up or tearing down {item.nodeid}" if item else "started"
+
+
+@pytest.hookimpl(tryfirst=True)  # before the pools close under the runs
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Runs a fixture started and never joined: wait for them (one still going is ended at
+    once: nothing will join it now) and fail the session for any that failed."""
+    mine = [(c, where) for c, config, where in _outside_body if config is session.config]
+    _outside_body[:] = [entry for entry in _outside_body if entry[1] is not session.config]
+    lost = []
+    for context, where in mine:
+        context.cut_if_running("the session ended", after_s=0.0)
+        with contextlib.suppress(pytest.skip.Exception):
+            failure = context.unjoined_failure()
+            if failure is not None:
+                lost.append(f"-- {where} --\n{failure}")
+    if lost:
+        session.config.stash[_lost_key] = "\n\n".join(lost)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lost = terminalreporter.config.stash.get(_lost_key, None)
+    if lost:
+        terminalreporter.write_sep(
+            "=",
+            "harness.spawn(join=False) runs started outside a test body and never joined, "
+            "which failed (join each in the fixture that starts it, at its teardown)",
+            red=True,
+        )
+        terminalreporter.write_line(lost)
 
 
 UNJOINED_POLL_S = 0.02  # how often teardown looks for the next of several runs to end
@@ -232,7 +273,10 @@ def spawn(
     target = runner.function_target(adopt_rank.run_spawned)
     context = SpawnContext(lambda: runner.run(config, spec, target, blob), spec.timeout_s)
     if not join:
-        _started.append((context, _calling[-1] if _calling else None))
+        body = next((i for i in reversed(_calling) if i.config is config), None)
+        _started.append((context, body))
+        if body is None:
+            _outside_body.append((context, config, _where_started(config)))
         return context
     context.join()
     return None
@@ -308,14 +352,14 @@ class SpawnContext:
         """Wait at most `timeout` seconds for the run to end (raises nothing)."""
         self._thread.join(timeout)
 
-    def cut_if_running(self, why: str) -> None:
-        """End the run, if it still goes on, after the grace peers of a failure get: nobody
-        will join it (or talk to a server it is) now that the test failed."""
+    def cut_if_running(self, why: str, after_s: float | None = None) -> None:
+        """End the run, if it still goes on, `after_s` from now (by default the grace peers of
+        a failure get): nobody will join it (or talk to a server it is) now."""
         if self._cut or self._joined or not self._thread.is_alive():
             return
         ident = self._thread.ident
         if ident is not None:
-            pool.cut_short(ident, pool.failure_grace_s(), why)
+            pool.cut_short(ident, pool.failure_grace_s() if after_s is None else after_s, why)
             self._cut = True
 
     def unjoined_failure(self) -> Exception | None:

@@ -831,6 +831,54 @@ def test_several_unjoined_runs_each_report_their_failure(inner: pytest.Pytester)
     assert "hung" not in second and "timeout" not in second  # cut after the grace, quietly
 
 
+def test_a_failed_run_a_fixture_started_and_never_joined_fails_the_session(
+    inner: pytest.Pytester,
+) -> None:
+    # A fixture's run is the fixture's to join; one that never does must not lose the run's
+    # failure: the session reports it and fails. One still running at the end is ended.
+    inner.makepyfile(
+        """
+        import threading
+        import pytest, harness
+
+        def fails(i):
+            raise ValueError(f"the fixture's run failed on rank {i}")
+
+        def serves(i):
+            threading.Event().wait()
+
+        @pytest.fixture
+        def forgets_its_run():
+            context = harness.spawn(fails, nprocs=2, join=False)
+            context.pids()
+            yield
+
+        @pytest.fixture(scope="module")
+        def leaves_a_server():
+            harness.spawn(serves, nprocs=1, join=False)
+            yield
+
+        def test_uses_it(forgets_its_run, leaves_a_server):
+            pass
+
+        def test_next():
+            harness.spawn(print, nprocs=2)
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*harness.spawn(join=False) runs started outside a test body and never joined*",
+            "*started while setting up *test_uses_it*",
+            "*the fixture's run failed on rank*",
+        ]
+    )
+    lost = result.stdout.str().split("never joined, which failed")[1]
+    assert lost.count("-- started while") == 1, lost  # the server, ended at the end: no failure
+
+
 def test_spawn_says_what_to_do_outside_a_session() -> None:
     from harness.spawning import _configs
 
