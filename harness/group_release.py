@@ -12,7 +12,10 @@ torch does. Runs inside ranks; the threads are daemons, which hygiene leaves alo
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import time
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -32,9 +35,16 @@ def forget_failed_init() -> None:
         world.group_count = 0
 
 
+# The gloo groups destroy_all destroyed last, weakly: still alive once freed, something
+# holds them (and their sockets, which a peer waiting on this rank would see close).
+_destroyed: list[weakref.ref[Any]] = []
+_RELEASE_THREAD = "harness-group-release"
+
+
 def destroy_all() -> None:
     """dist.destroy_process_group() for every group, the gloo ones freed on threads."""
     groups = _gloo_groups(process_groups())
+    _destroyed[:] = [weakref.ref(group) for group in groups]
     try:
         dist.destroy_process_group()
     finally:
@@ -59,9 +69,21 @@ def _hand_over(groups: list[Any]) -> None:
     20 ms would pile up (with their sockets and threads); side by side their waits overlap."""
     while groups:
         box = [groups.pop()]  # the thread empties it: its reference is then the last
-        threading.Thread(
-            target=_free, args=(box,), name="harness-group-release", daemon=True
-        ).start()
+        threading.Thread(target=_free, args=(box,), name=_RELEASE_THREAD, daemon=True).start()
+
+
+def still_held(bound_s: float) -> bool:
+    """Whether a group destroy_all destroyed last is still alive once garbage cycles are
+    collected (an FSDP model's, a traceback's frames) and the release threads are done
+    (waited for at most `bound_s`): held by something this rank cannot drop."""
+    if not any(ref() is not None for ref in _destroyed):
+        return False
+    gc.collect()
+    deadline = time.monotonic() + bound_s
+    for thread in threading.enumerate():
+        if thread.name == _RELEASE_THREAD:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return any(ref() is not None for ref in _destroyed)
 
 
 def _free(box: list[Any]) -> None:

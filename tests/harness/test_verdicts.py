@@ -707,3 +707,26 @@ def test_a_rank_waiting_in_a_functional_collective_names_the_peer_that_returned(
     result = inner.runpytest("-p", "harness", "--rank-timeout", "8")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 returned while rank 0 *waited in*"])
+
+
+def test_a_returned_rank_whose_group_an_fsdp_model_holds_still_releases_its_peers(
+    inner: pytest.Pytester,
+) -> None:
+    # The model's reference cycles keep the process group past its destroy, and with it the
+    # sockets a waiting peer would see close: the peer waited for the whole timeout.
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.nn as nn, torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        @pytest.mark.ranks(2)
+        def test_rank_1_returns_holding_a_model(rank):
+            fully_shard(nn.Sequential(nn.Linear(4, 4)))
+            if rank == 0:
+                dist.all_reduce(torch.ones(1))
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 returned while rank 0 waited in all_reduce*"])
+    result.stdout.no_fnmatch_line("*still running at the 30 s timeout*")
