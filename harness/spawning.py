@@ -38,7 +38,7 @@ RUN_HYGIENE = frozenset({"threads", "processes"})
 _configs: list[pytest.Config] = []
 _items: list[pytest.Item] = []
 _calling: list[pytest.Item] = []  # the tests whose body is running (not a fixture)
-_started: list[tuple[SpawnContext, pytest.Item | None]] = []  # join=False runs, by test
+_started: list[tuple[SpawnContext, pytest.Item]] = []  # join=False runs, by test body
 # join=False runs started outside a test body (a fixture's), with where they started: the
 # fixture's to join, and checked at the session's end in case it never does.
 _outside_body: list[tuple[SpawnContext, pytest.Config, str]] = []
@@ -274,8 +274,9 @@ def spawn(
     context = SpawnContext(lambda: runner.run(config, spec, target, blob), spec.timeout_s)
     if not join:
         body = next((i for i in reversed(_calling) if i.config is config), None)
-        _started.append((context, body))
-        if body is None:
+        if body is not None:
+            _started.append((context, body))
+        else:
             _outside_body.append((context, config, _where_started(config)))
         return context
     context.join()

@@ -491,7 +491,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _raise_for_source(headers: Headers, error: BaseException | None, src: int) -> None:
-    """Before the value moves: every rank raises for another kind or src, or a failed src."""
+    """Before the value moves: every rank raises for another src, or a failed src."""
     raise_if_disagreeing(headers, "src", [e.root for e in headers.entries])
     source = headers.of(src)
     if source.status == "exit":
