@@ -114,7 +114,7 @@ def test_no_capture_plugin_shows_rank_output_live_as_dash_s_does(inner: pytest.P
             harness.spawn(spawned, nprocs=2)
         """
     )
-    result = inner.runpytest_subprocess("-p", "harness", "-p", "no:capture")
+    result = inner.runpytest("-p", "harness", "-p", "no:capture")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines_random(["[[]rank 1[]] working on 1", "[[]rank 1[]] spawned 1"])
 
@@ -132,7 +132,7 @@ def test_tee_sys_shows_rank_output_live_and_keeps_it(inner: pytest.Pytester) -> 
             print(f"careful on {rank}", file=sys.stderr)
         """
     )
-    result = inner.runpytest_subprocess("-p", "harness", "--capture=tee-sys", "-rP")
+    result = inner.runpytest("-p", "harness", "--capture=tee-sys", "-rP")
     result.assert_outcomes(passed=1)
     live = result.stdout.str().split("= PASSES =")[0]  # before the report's sections
     assert "[rank 0] working on 0" in live and "[rank 1] working on 1" in live, live
