@@ -72,7 +72,7 @@ def counts() -> tuple[int, int] | None:
     now = _sequence()
     if _current is None or _current.first_op is None or now is None:
         return None
-    return now - _current.first_op, int(dist.distributed_c10d._world.group_count)
+    return now - _current.first_op, int(_world().group_count)
 
 
 def _sequence() -> int | None:

@@ -123,16 +123,17 @@ def _why_not_single_process(model: nn.Module) -> str:
 
     if is_fsdp2_model(model):
         return "is FSDP2-sharded"
-    if any(_is_dtensor(p) for p in model.parameters()):
+    sharded = _dtensor_class()
+    if sharded is not None and any(isinstance(p, sharded) for p in model.parameters()):
         return "holds sharded (DTensor) parameters"
     if is_distributed_run():
         return f"is held in a run of {size()} ranks"
     return ""
 
 
-def _is_dtensor(tensor: object) -> bool:
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed: nothing is sharded
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
