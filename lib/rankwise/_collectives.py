@@ -123,7 +123,7 @@ class Call:
 
     def __post_init__(self) -> None:
         if not self.text:
-            object.__setattr__(self, "text", f"{self.kind}({self.label!r})")
+            object.__setattr__(self, "text", f"{self.kind}({_shown_label(self.label)})")
 
     @functools.cached_property
     def key(self) -> int:
@@ -426,6 +426,18 @@ def _members(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+LABEL_SHOWN_MAX = 120  # a longer label is shown by its head and tail, and its length
+
+
+def _shown_label(label: str) -> str:
+    """`label` as messages name it: its repr, or for a long one (a model's module names,
+    say) its head and tail, which are what tell two such labels apart."""
+    if len(label) <= LABEL_SHOWN_MAX:
+        return repr(label)
+    head, tail = repr(label[:80]), repr(label[-30:])
+    return f"{head[:-1]}...{tail[1:]} ({len(label)} characters)"
+
+
 def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
     """The call `kind(label)`, and the error for a label that is not a str (the call is then
     named by the label's repr, and still joins the exchange so its peers raise too)."""
@@ -435,6 +447,8 @@ def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
         shown = repr(label)
     except Exception:
         shown = f"<a {type(label).__name__} whose repr raised>"
+    if len(shown) > LABEL_SHOWN_MAX:
+        shown = f"{shown[:80]}...{shown[-30:]} (a repr of {len(shown)} characters)"
     error = TypeError(f"{kind}: label must be a str naming the collective; got {shown}")
     return Call(kind, shown, f"{kind}({shown})"), error
 

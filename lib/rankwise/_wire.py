@@ -11,9 +11,9 @@ fails where it was made, before any rank waits for it. Loading never runs arbitr
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
+import sys
 from typing import Any
 
 import torch
@@ -35,10 +35,16 @@ _MAX_DEPTH = 32
 def encode(value: Any, what: str) -> bytes:
     """`value` as bytes: JSON if plain, else torch.save checked to load with weights_only."""
     if _plain(value, 0):
-        with contextlib.suppress(ValueError):  # an int past Python's digit limit: torch.save
+        try:
             text = json.dumps(value, allow_nan=True, separators=(",", ":"))
             json.loads(text)  # the limit applies when reading too
-            return _JSON + text.encode()
+        except ValueError:  # an int past Python's digit limit; weights_only refuses it too
+            raise WireError(
+                f"{what}: the value holds an int of more than {sys.get_int_max_str_digits()} "
+                f"digits, which neither JSON nor torch.load(weights_only=True) carries; send "
+                f"it as hex(n) and read it back with int(text, 16)"
+            ) from None
+        return _JSON + text.encode()
     if _holds_meta_tensor(value, set()):
         raise WireError(
             f"{what}: a tensor on the meta device has no data to send; materialize it first "
@@ -71,8 +77,8 @@ def refusal(exc: BaseException) -> str:
     """
     text = str(exc)
     marker = "WeightsUnpickler error:"
-    if marker in text:
-        kept = [text.split(marker, 1)[1].split("\n", 1)[0]]
+    if marker in text:  # its reason follows, on the same line or after blank ones
+        kept = text.split(marker, 1)[1].strip().split("\n", 1)[:1]
     else:
         kept = [
             line

@@ -165,6 +165,35 @@ def test_labels_out_of_step_raise_on_every_rank_naming_both(run_on_ranks: Any) -
         assert "rank 3 in all_reduce('other')" in o.message
 
 
+LONG_LABEL = "layer." * 20_000  # a label built from a model's module names, say
+
+
+def _long_labels_out_of_step() -> Any:
+    tail = "attn" if dist.get_rank() == 0 else "mlp"
+    return rw.all_reduce(LONG_LABEL + tail, lambda: 1, sum)
+
+
+def test_a_long_label_is_shortened_in_messages_keeping_what_tells_ranks_apart(
+    run_on_ranks: Any,
+) -> None:
+    out = run_on_ranks(_long_labels_out_of_step, world_size=2, timeout=BOUND_S)
+    assert out.endings == [E, E], out.report()
+    for o in out:
+        assert "ranks out of step" in o.message and len(o.message) < 1000, o.message[:300]
+        assert "layer.attn' (120004 characters))" in o.message, o.message
+        assert "layer.mlp' (120003 characters))" in o.message, o.message
+        assert o.message.startswith("all_reduce('layer.layer."), o.message
+
+
+def test_a_long_label_that_is_not_a_str_is_shortened_too() -> None:
+    from rankwise._collectives import _call_of
+
+    call, error = _call_of("all_reduce", list(range(10_000)))
+    assert error is not None and call.text.startswith("all_reduce([0, 1, 2,")
+    assert call.text.endswith("9998, 9999] (a repr of 58890 characters))"), call.text
+    assert len(call.text) < 200 and len(str(error)) < 250
+
+
 def _all_reduce_then_collective_in_a_second_call() -> list[int]:
     """After a failed all_reduce, the same group still works: nobody is left mid-exchange."""
     me = dist.get_rank()
@@ -598,12 +627,29 @@ def test_a_peer_that_dies_in_fn_is_named_in_its_peers_errors(run_on_ranks: Any) 
         assert "a peer died, hung or never reached this collective" in o.message
 
 
-def test_an_int_too_long_for_json_is_a_wire_error_naming_its_type() -> None:
+def test_an_int_too_long_for_json_is_a_wire_error_saying_how_to_send_it() -> None:
     from rankwise._wire import WireError
 
     huge = 10**5000  # past Python's 4300-digit limit for int <-> str; weights_only refuses it
-    with pytest.raises(WireError, match="the value of type int"):
-        _wire_round_trip(huge)
+    for value in (huge, [1, {"n": -huge}]):
+        with pytest.raises(WireError) as raised:
+            _wire_round_trip(value)
+        said = str(raised.value)
+        assert "an int of more than 4300 digits" in said, said
+        assert "hex(n)" in said and "int(text, 16)" in said, said
+        assert "refused;" not in said  # torch's reason was lost: say what it was refused for
+    assert int(_wire_round_trip(hex(huge)), 16) == huge  # what the message suggests travels
+
+
+def test_a_weights_only_refusal_keeps_torchs_reason() -> None:
+    from rankwise._wire import refusal
+
+    text = (
+        "Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` "
+        "will likely succeed.\nPlease file an issue: WeightsUnpickler error: \n\nUnsupported "
+        "operand 139\n\nCheck the documentation of torch.load to learn more"
+    )
+    assert refusal(RuntimeError(text)) == "RuntimeError: Unsupported operand 139"
 
 
 def _wire_round_trip(value: Any) -> Any:
