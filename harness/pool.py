@@ -173,6 +173,16 @@ def _default_start_method_kept() -> Iterator[None]:
             multiprocessing.set_start_method(None, force=True)  # back to unset
 
 
+def _empty_output(files: RankFiles) -> None:
+    """Empty a rank's output files before its task is sent. The rank writes them through
+    O_APPEND descriptors, so its next write lands at the start; were the rank to empty them
+    when it reads its task, live output read before then would echo the last test's lines
+    and then skip as many bytes of this test's."""
+    for path in (files.stdout, files.stderr):
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)
+
+
 def tail(path: Path) -> str:
     try:
         if os.stat(path).st_size == 0:
@@ -390,6 +400,7 @@ class _Run:
         start = time.monotonic()
         for slot in self.slots:
             self._watch(slot)
+            _empty_output(slot.files)
         for slot, task in zip(self.slots, self.tasks, strict=False):
             try:  # plain pickle: a task needs none of ForkingPickler's reducers
                 slot.conn.send_bytes(pickle.dumps(Message(Kind.RUN, task), pickle.HIGHEST_PROTOCOL))

@@ -111,8 +111,7 @@ def main(conn: Any, files: RankFiles) -> None:
                 _teardown_group()  # peers still waiting on this rank fail now
                 _leave_if_a_group_is_held()
             continue
-        _truncate_output()
-        rank_logs.empty()
+        rank_logs.empty()  # its output files the pytest side empties before sending the task
         outcome = _serve(message.payload)
         _end_if_a_forked_copy(None)  # one made in a fixture's teardown, say: it never reports
         _flush()
@@ -198,22 +197,15 @@ def _release_forkserver() -> None:
 def _redirect_output(files: RankFiles) -> None:
     """fds 1 and 2 into the rank's files, which the pytest side reads even after a death.
 
-    No other descriptor of them is kept: fds 1 and 2 are restored after every test (from
-    rank_state's copies), so they are what each test's output is truncated through.
+    Opened O_APPEND: the pytest side empties them before each task, and the rank's next
+    write then lands at the start. fds 1 and 2 are restored after every test (from
+    rank_state's copies).
     """
     for target, path in ((1, files.stdout), (2, files.stderr)):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
         os.dup2(fd, target)
         os.close(fd)
     sys.stdout, sys.stderr = rank_state.open_streams()
-
-
-def _truncate_output() -> None:
-    """Empty the output files for the next test (mostly empty already: one system call)."""
-    for fd in (1, 2):
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_size:
-                os.ftruncate(fd, 0)
 
 
 def _watch_stacks(path: Path) -> None:

@@ -81,6 +81,39 @@ def test_only_late_results_mean_a_hang() -> None:
     assert dumped and pool.closed
 
 
+def test_live_output_never_echoes_the_last_runs_output_nor_skips_this_ones(tmp_path: Path) -> None:
+    # The last run's output is still in the rank's file when this run's task is sent; a
+    # rank empties it only once it reads the task. Echoed from the start of the file, the
+    # old lines showed under this test, and as many bytes of this test's output were lost.
+    import io
+    import threading
+
+    from harness.pool import LiveStreams
+
+    pool = _FakePool(1)
+    slot = pool.slots[0]
+    slot.files = RankFiles.in_dir(tmp_path, 0)
+    slot.files.stdout.write_bytes(b"the last test's line\n")
+    slot.files.stderr.write_bytes(b"")
+
+    def rank() -> None:  # reads its task, prints through its O_APPEND fd 1, returns
+        message = slot.rank_end.recv()
+        with open(slot.files.stdout, "ab") as out:
+            out.write(b"this test's line\n")
+        slot.rank_end.send(
+            Message(Kind.RESULT, RankOutcome(message.payload.key, 0, 1, Ending.RETURNED))
+        )
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    streams = LiveStreams(io.StringIO(), io.StringIO())
+    outcomes = _Run(pool, [_task("this-run")], timeout_s=10, live=streams).collect()  # type: ignore[arg-type]
+    thread.join()
+    assert outcomes[0].ending is Ending.RETURNED
+    assert streams.out.getvalue() == "\n[rank 0] this test's line\n"
+    assert outcomes[0].stdout == "this test's line\n"
+
+
 def _outcome(rank: int, ending: Ending, at: float, **fields: Any) -> RankOutcome:
     return RankOutcome("k", rank, 100 + rank, ending, at=at, **fields)
 
