@@ -3,23 +3,42 @@
 Makes the server a child subreaper, so a rank's descendants stay in its tree even when the
 rank dies first, and kills that whole tree when the server exits. The server exits when the
 pytest process that started it is gone, however it went (a normal end, Ctrl-C, SIGTERM or
-SIGKILL), so no descendant of a rank outlives pytest by more than a moment.
+SIGKILL), so no descendant of a rank outlives pytest by more than a moment. It is in
+pytest's process group, so a signal to the whole group (`timeout`, a CI job cancelled, a
+terminal closed) reaches it too: SIGTERM and SIGHUP, which would end it at once without its
+exit handlers, kill the tree first.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import signal
 import warnings
+from types import FrameType
 
 from harness import reaper
+
+# Signals whose default ends the server without running its exit handlers; a rank sets them
+# back to the default (worker.main): it is forked with the server's handlers.
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _kill_everything_below_me() -> None:
     reaper.kill_tree(os.getpid())
 
 
+def _end_with_the_tree(signum: int, _frame: FrameType | None) -> None:
+    """Kill every descendant, then end by the signal, as its default would have."""
+    _kill_everything_below_me()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 if reaper.become_subreaper():
     # The server reaps every child; adopted orphans are not the ones it started.
     warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
     atexit.register(_kill_everything_below_me)
+    for _signal in ENDING_SIGNALS:
+        if signal.getsignal(_signal) == signal.SIG_DFL:  # not ignored (nohup keeps SIGHUP so)
+            signal.signal(_signal, _end_with_the_tree)

@@ -86,6 +86,7 @@ GROUP_TIMEOUT_MARGIN_S = 120.0
 def main(conn: Any, files: RankFiles) -> None:
     """Process entry point: serve runs until the pytest side goes away or kills the rank."""
     _release_forkserver()
+    _default_ending_signals()
     _die_with_parent()
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
@@ -174,6 +175,15 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _default_ending_signals() -> None:
+    """SIGTERM and SIGHUP as in any new process: a rank is forked with the handlers the
+    fork server set for itself (forkserver_guard), which kill the caller's whole tree."""
+    guard = sys.modules.get("harness.forkserver_guard")
+    for signum in getattr(guard, "ENDING_SIGNALS", ()):
+        if signal.getsignal(signum) is getattr(guard, "_end_with_the_tree", None):
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _release_forkserver() -> None:

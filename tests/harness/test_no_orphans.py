@@ -3,6 +3,7 @@ in new ones, after a normal end, Ctrl-C, SIGTERM or SIGKILL of pytest."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -112,7 +113,12 @@ def test_forked_copies_of_a_rank_are_leftovers_too(inner: pytest.Pytester) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "normal end"])
+@pytest.mark.parametrize(
+    "how",
+    # To the group: what `timeout`, a CI job's cancel or a closed terminal sends; the fork
+    # server (in pytest's group) got it too, and died without killing the ranks' children.
+    ["SIGINT", "SIGTERM", "SIGKILL", "normal end", "SIGTERM to the group", "SIGHUP to the group"],
+)
 def test_no_descendant_outlives_pytest(pytester: pytest.Pytester, how: str) -> None:
     hang = "(timeout=3)" if how == "normal end" else "(timeout=120)"
     pytester.makepyfile(
@@ -131,11 +137,14 @@ def test_hangs_with_children(rank):
         cwd=pytester.path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as under a shell's job control
     )
     try:
         wait_until(lambda: len(_children(pytester.path)) == 6, 60, "every rank's children")
         pids = _children(pytester.path)
-        if how != "normal end":
+        if how.endswith(" to the group"):
+            os.killpg(proc.pid, getattr(signal, how.split()[0]))
+        elif how != "normal end":
             proc.send_signal(getattr(signal, how))
         proc.wait(timeout=60)
         assert_all_gone(pids)
@@ -186,3 +195,11 @@ def test_something(rank):
         assert not alive(tracker), "the resource tracker outlived the pytest process"
     finally:
         kill_quietly([server, tracker])
+
+
+@pytest.mark.ranks(2)
+def test_a_rank_ends_on_sigterm_and_sighup_as_any_process_does() -> None:
+    # Forked from the fork server, a rank would otherwise carry its handlers, which kill
+    # the caller's whole tree.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
