@@ -284,15 +284,26 @@ def timeout_for(
     if own is not None:
         return _seconds(own, own_origin)
     mark = node.get_closest_marker("timeout") if node is not None else None
-    if mark is not None:
-        value = mark.kwargs.get("timeout", (mark.args or [None])[0])
-        if value is not None:
-            return _seconds(value, f"the timeout marker on {node.nodeid}")  # type: ignore[union-attr]
+    value = None if mark is None else mark.kwargs.get("timeout", (mark.args or [None])[0])
+    if value is not None and _turns_pytest_timeout_off(value):
+        # timeout(0): no pytest-timeout bound for this test, as pytest-timeout reads it; the
+        # harness's own bound still holds.
+        return default if settings.rank_timeout_s is None else settings.rank_timeout_s
+    if value is not None:
+        return _seconds(value, f"the timeout marker on {node.nodeid}")  # type: ignore[union-attr]
     if settings.rank_timeout_s is not None:
         return settings.rank_timeout_s
     if settings.pytest_timeout_s is not None:
         return settings.pytest_timeout_s
     return default
+
+
+def _turns_pytest_timeout_off(value: Any) -> bool:
+    """Whether a timeout marker's value means no timeout to pytest-timeout (0 or less)."""
+    try:
+        return not isinstance(value, bool) and float(value) <= 0
+    except (TypeError, ValueError):
+        return False
 
 
 # ---- a test's spec from its markers -------------------------------------------------------
