@@ -35,6 +35,7 @@ from harness.launch_detect import Launch
 from harness.launched_store import Peers
 from harness.launched_watch import Watch
 from harness.outcome import Ending, RankOutcome
+from harness.settings import settings_of, timeout_for
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.
@@ -120,6 +121,8 @@ class LaunchedSession:
         self.peers = Peers(self.launch, AGREE_S)
         self.peers.position = lambda: self.stage
         self.peers.name_of = self._name_of
+        # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
+        self.peers.silent_elsewhere_s = timeout_for(settings_of(self.config), None, "", None)
         self.put(f"pid/{self.rank}", str(os.getpid()))  # for the report if this rank dies
         self.watch.start_heartbeat(self.peers)
 
@@ -391,7 +394,10 @@ class LaunchedSession:
     def _final(self, found: list[bytes | None], mine: dict[str, Any]) -> int:
         statuses = [mine["status"]]
         for r, blob in enumerate(found):
-            if blob is None or r == 0:
+            if r == 0 or r == self.rank:
+                continue
+            if blob is None:  # it never said how its session ended: it did not end well
+                statuses.append(int(pytest.ExitCode.TESTS_FAILED))
                 continue
             statuses.append(json.loads(blob)["status"])
         if self.lost:

@@ -91,6 +91,8 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
     launched_test.before_set_up(item, launched, spec)
+    if launched.peers is not None:  # a test bounded longer than the session's default
+        launched.peers.silent_elsewhere_s = max(launched.peers.silent_elsewhere_s, spec.timeout_s)
     try:
         result = yield
     except BaseException as exc:
@@ -238,8 +240,20 @@ def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     if launched is None or launched.peers is None:
         return
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
+    lost_before = set(launched.lost) | {launched.rank}
     with runner.pytest_timeout_paused(item):  # as for the verdict: a slow peer times itself
         found = launched.gather(f"{launched.test_key()}/teardown", json.dumps(mine), PLAIN_WAIT_S)
+    gone = {r: why for r, why in launched.absent.items() if r not in lost_before}
+    if gone:  # a rank that died in its teardown (even with status 0), or hangs there
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
+        launched.lost.update(gone)
+        if 0 in launched.lost:
+            launched.speak_for_rank_0()
+        launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
+        if not report.failed:
+            report.outcome = "failed"
+            report.longrepr = f"not every rank finished this test's teardown: {absent}"
+        return
     failed = [(r, t["text"]) for r, t in _others(launched, found) if t["failed"]]
     if failed and not report.failed:
         rank, text = failed[0]

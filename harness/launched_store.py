@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from harness.launch_detect import Launch
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
-SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone
+SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone (see _silent)
 QUIET_AFTER_S = 2.5 * HEARTBEAT_S  # unchanged this long when a wait ends: gone, most likely
 STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
@@ -54,6 +55,9 @@ class Peers:
         self.name_of: Callable[[int], str] = str  # that place, in words
         self._tick = threading.Event()  # never set: a bounded pause between polls
         self._beats: dict[int, tuple[bytes, float]] = {}  # last heartbeat seen, and when
+        # A peer on another machine, silent this long, is gone (or hung, which the test's
+        # bound would end anyway): the longest a test may take, at least SILENT_AFTER_S.
+        self.silent_elsewhere_s = SILENT_AFTER_S
 
     def put(self, key: str, value: bytes | str) -> None:
         self.store.set(key, value)
@@ -70,15 +74,15 @@ class Peers:
                 self.store.delete_key(key)
 
     def beat(self) -> None:
-        """Say this rank is alive, and whether its main thread is inside torch.distributed
-        (a thread calls it every HEARTBEAT_S)."""
+        """Say this rank is alive, whether its main thread is inside torch.distributed, and
+        where its process runs (a thread calls it every HEARTBEAT_S)."""
         waiting = "c10d" if _main_thread_in_torch_distributed() else "-"
-        self.put(f"beat/{self.rank}", f"{time.monotonic()} {waiting}")
+        self.put(f"beat/{self.rank}", f"{time.monotonic()} {waiting} {_PROCESS}")
 
     def in_torch_distributed(self, rank: int) -> bool:
         """Whether `rank`'s main thread was inside torch.distributed at its last heartbeat
         (most likely blocked in a collective)."""
-        return (self.read(f"beat/{rank}") or b"").endswith(b" c10d")
+        return _beat_fields(self.read(f"beat/{rank}"))[1] == "c10d"
 
     def still_in_this_test(self, rank: int) -> bool:
         """Whether `rank` is alive and has not moved past this rank's place."""
@@ -152,17 +156,28 @@ class Peers:
             if at > self.position():
                 found[r] = f"it had moved on to {self.name_of(at)} (ranks out of step)"
             elif self._silent(r):
-                found[r] = f"no sign of life for {SILENT_AFTER_S:g} s: its process ended"
+                quiet = time.monotonic() - self._beats[r][1]
+                found[r] = f"no sign of life for {quiet:.3g} s: its process ended"
         return found
 
     def _silent(self, rank: int) -> bool:
+        """Whether `rank` is gone: its heartbeat unchanged for SILENT_AFTER_S, and its
+        process ended. A heartbeat is a thread's, which cannot run while the main thread
+        holds the GIL in one long call (a regex, json.loads): a peer on this machine is
+        asked directly; one elsewhere is taken for gone only past `silent_elsewhere_s`."""
         beat = self.read(f"beat/{rank}") or b""
         seen = self._beats.get(rank)
         now = time.monotonic()
         if seen is None or seen[0] != beat:
             self._beats[rank] = (beat, now)
             return False
-        return now - seen[1] > SILENT_AFTER_S
+        quiet = now - seen[1]
+        if quiet <= SILENT_AFTER_S:
+            return False
+        pid = _pid_here(_beat_fields(beat)[2])
+        if pid is not None:
+            return not _running(pid)
+        return quiet > max(SILENT_AFTER_S, self.silent_elsewhere_s)
 
     def _at(self, rank: int) -> int:
         found = self.read(f"at/{rank}")
@@ -173,12 +188,59 @@ class Peers:
         where = "before the first test" if at < 0 else f"at {self.name_of(at)}"
         self._silent(rank)
         quiet = time.monotonic() - self._beats[rank][1]
+        pid = _pid_here(_beat_fields(self._beats[rank][0])[2])
+        if quiet >= QUIET_AFTER_S and pid is not None and _running(pid):
+            return (
+                f"it did not answer within {waited:.3g} s (it was {where}); its process runs "
+                f"but gave no sign of life for {quiet:.3g} s: its main thread may hold the "
+                f"GIL in one long call"
+            )
         if quiet >= QUIET_AFTER_S:  # beats missed in a short wait: gone, most likely
             return (
                 f"it gave no sign of life for {quiet:.3g} s (it was {where}): its process has "
                 f"likely ended (the launcher's summary gives its exit status)"
             )
         return f"it did not answer within {waited:.3g} s (it was {where})"
+
+
+def _process_place() -> str:
+    """This process as peers on the same machine and pid namespace can find it."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}/{os.getpid()}"
+
+
+_PROCESS = _process_place()
+_HERE = _PROCESS.rsplit("/", 1)[0]  # this machine and pid namespace
+
+
+def _beat_fields(beat: bytes | None) -> tuple[str, str, str]:
+    """A heartbeat's time, whether it was in torch.distributed, and its process's place."""
+    time_, waiting, place, *_ = [*(beat or b"").decode(errors="replace").split(" "), "", "", ""]
+    return time_, waiting, place
+
+
+def _pid_here(place: str) -> int | None:
+    """The pid of a process at `place`, if it is on this machine and in this pid namespace."""
+    where, _, pid = place.rpartition("/")
+    return int(pid) if where == _HERE and pid.isdigit() else None
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by the launcher, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _main_thread_in_torch_distributed() -> bool:

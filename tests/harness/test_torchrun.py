@@ -846,6 +846,51 @@ def test_a_teardown_that_fails_on_one_rank_is_an_error_everywhere(
     assert "teardown broke on rank 1" in result.output, result.output
 
 
+DIES_IN_TEARDOWN_ON_ONE_RANK = """
+@pytest.fixture
+def dies_on_rank_1():
+    yield
+    if os.environ["RANK"] == "1":
+        os._exit(0)  # a status of 0: only a missing teardown result tells
+
+
+def test_a_last(dies_on_rank_1):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_in_a_teardown_fails_the_test_and_the_run(
+    pytester: pytest.Pytester,
+) -> None:
+    """Only ranks that published a teardown result were looked at: rank 0 reported "1
+    passed" and torchrun exited 0 (a false green)."""
+    result = torchrun(write(pytester, test_tdexit=DIES_IN_TEARDOWN_ON_ONE_RANK), 2)
+    assert junit_cases(result.junit) == {"test_a_last": "error"}, result.output
+    assert "not every rank finished this test's teardown: rank 1" in result.output, result.output
+    assert result.returncode != 0, result.output
+
+
+HOLDS_THE_GIL_ON_ONE_RANK = """
+import ctypes
+
+
+@pytest.mark.ranks(timeout=60)
+def test_a_long_call_on_rank_1(rank):
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(18)  # one C call that keeps the GIL: no thread runs meanwhile
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_busy_in_one_long_call_is_not_taken_for_dead(pytester: pytest.Pytester) -> None:
+    """A rank's heartbeat is a thread, which cannot run while the main thread holds the GIL
+    (a long regex, json.loads): its peers took it for dead at 15 s and failed the test."""
+    result = torchrun(write(pytester, test_gil=HOLDS_THE_GIL_ON_ONE_RANK), 2)
+    assert result.returncode == 0, result.output
+    assert junit_cases(result.junit) == {"test_a_long_call_on_rank_1": "passed"}
+
+
 FAILS_WHILE_A_PEER_WAITS = """
 import time
 
