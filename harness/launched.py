@@ -179,18 +179,29 @@ class LaunchedSession:
             )
 
     def agree_on_collection(self, items: Sequence[pytest.Item]) -> None:
-        """Every rank must have collected the same tests, in the same order."""
+        """Every rank must have collected the same tests, in the same order, and without
+        errors: pytest stops a rank that could not collect, and its peers would wait for it
+        in the first test."""
         self.collected = [item.nodeid for item in items]
-        found = self.gather("collected", json.dumps(self.collected), AGREE_S)
+        said = {"tests": self.collected, "errors": _collection_errors(self.config)}
+        found = self.gather("collected", json.dumps(said), AGREE_S)
         mine = self.collected
-        differences = []
+        differences, errors = [], []
         for r, blob in enumerate(found):
             if blob is None:
                 differences.append(f"rank {r} did not finish collecting: {self.absent[r]}")
                 continue
             theirs = json.loads(blob)
-            if theirs != mine:
-                differences.append(_collection_difference(r, theirs, self.rank, mine))
+            errors += [f"rank {r} could not collect {text}" for text in theirs["errors"]]
+            if theirs["tests"] != mine:
+                differences.append(_collection_difference(r, theirs["tests"], self.rank, mine))
+        if errors and not self.config.getoption("continue_on_collection_errors", False):
+            end_session(
+                self,
+                f"harness: {len(errors)} collection error(s) on the launched ranks; every rank "
+                f"stops, as pytest stops for one (make the test files import alike on every "
+                f"node):\n" + "\n".join(errors),
+            )
         if differences:
             end_session(
                 self,
@@ -416,6 +427,20 @@ def end_session(session: LaunchedSession, message: str) -> None:
     """Stop the whole session now, on every rank alike (each rank finds the same problem)."""
     session.over(int(pytest.ExitCode.INTERRUPTED))
     raise pytest.exit(message, returncode=pytest.ExitCode.INTERRUPTED)
+
+
+COLLECTION_ERROR_CHARS = 2000  # of each error's report, its end (where the error is)
+
+
+def _collection_errors(config: pytest.Config) -> list[str]:
+    """This rank's collection errors so far: where, and the end of pytest's report."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reports = [] if reporter is None else reporter.stats.get("error", [])
+    return [
+        f"{report.nodeid or '(the session)'}:\n{report.longreprtext[-COLLECTION_ERROR_CHARS:]}"
+        for report in reports
+        if isinstance(report, pytest.CollectReport) and report.failed
+    ]
 
 
 def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str]) -> str:

@@ -35,7 +35,9 @@ class Launched:
         return [int(code) for code in re.findall(r"exitcode\s+:\s*(-?\d+)", self.output)]
 
 
-def torchrun(directory: Path, nproc: int, *args: str) -> Launched:
+def torchrun(
+    directory: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S
+) -> Launched:
     junit = directory / "junit.xml"
     command = [
         sys.executable,
@@ -61,7 +63,7 @@ def torchrun(directory: Path, nproc: int, *args: str) -> Launched:
         env=env,
         capture_output=True,
         text=True,
-        timeout=LAUNCH_TIMEOUT_S,
+        timeout=timeout,
         check=False,
     )
     return Launched(done.returncode, done.stdout + done.stderr, junit)
@@ -889,6 +891,34 @@ def test_a_rank_busy_in_one_long_call_is_not_taken_for_dead(pytester: pytest.Pyt
     result = torchrun(write(pytester, test_gil=HOLDS_THE_GIL_ON_ONE_RANK), 2)
     assert result.returncode == 0, result.output
     assert junit_cases(result.junit) == {"test_a_long_call_on_rank_1": "passed"}
+
+
+COLLECTS = """
+@pytest.mark.ranks
+def test_sum(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+"""
+
+FAILS_TO_IMPORT_ON_RANK_1 = """
+if os.environ.get("RANK") == "1":
+    raise ImportError("missing optional dependency on this node")
+"""
+
+
+@pytest.mark.slow
+def test_a_collection_error_on_one_rank_ends_every_rank_showing_it(
+    pytester: pytest.Pytester,
+) -> None:
+    """Both ranks collected the same tests, so the check passed; rank 1 stopped for its
+    error and rank 0 waited for it in the first test's set-up: about 5 minutes, and the
+    error was shown nowhere."""
+    directory = write(pytester, test_a=COLLECTS, test_b=FAILS_TO_IMPORT_ON_RANK_1)
+    result = torchrun(directory, 2, timeout=120)
+    assert result.returncode != 0, result.output
+    assert "rank 1 could not collect" in result.output, result.output
+    assert "missing optional dependency on this node" in result.output, result.output
 
 
 FAILS_WHILE_A_PEER_WAITS = """
