@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,26 +94,12 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     if launched.peers is not None:  # a test bounded longer than the session's default
         launched.peers.silent_elsewhere_s = max(launched.peers.silent_elsewhere_s, spec.timeout_s)
     try:
-        with launched_test.bounded(item, launched, spec, "set-up"):
-            result = yield
+        result = yield
     except BaseException as exc:
         launched_test.agree_on_set_up(item, launched, spec, exc)
         raise
     launched_test.agree_on_set_up(item, launched, spec, None)
     return result
-
-
-@contextlib.contextmanager
-def teardown_bounded(item: pytest.Item, spec: RankSpec | None) -> Iterator[None]:
-    """A launched ranks test's teardown, bounded by its timeout (see launched_test.bounded)."""
-    launched = _session(item.config)
-    if launched is None or spec is None:
-        yield
-        return
-    from harness import launched_test
-
-    with launched_test.bounded(item, launched, spec, "teardown"):
-        yield
 
 
 def plain_set_up(item: pytest.Item) -> None:
@@ -265,11 +251,8 @@ def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
             launched.speak_for_rank_0()
         launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
         if not report.failed:
-            from harness import launched_test
-
-            hung = launched_test.hangs_in(launched, item, "teardown", sorted(gone))
             report.outcome = "failed"
-            report.longrepr = f"not every rank finished this test's teardown: {absent}{hung}"
+            report.longrepr = f"not every rank finished this test's teardown: {absent}"
         return
     failed = [(r, t["text"]) for r, t in _others(launched, found) if t["failed"]]
     if failed and not report.failed:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -62,42 +61,6 @@ def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) 
     return key
 
 
-@contextlib.contextmanager
-def bounded(
-    item: pytest.Item, session: LaunchedSession, spec: RankSpec, phase: str
-) -> Iterator[None]:
-    """A fixture phase ("set-up" or "teardown") of a ranks test on this rank, bounded by the
-    test's timeout as its body is: a hang there is reported with this rank's stacks (see
-    hangs_in), not left to the group's timeout."""
-    key = item.stash.get(_key_key, None)
-    if key is None:  # not a ranks test of this session (skipped before its set-up)
-        yield
-        return
-    where = Where()
-    with HangTimer(session.watch, f"{key}/{phase}", spec.timeout_s, where), where.installed():
-        yield
-
-
-def hangs_in(session: LaunchedSession, item: pytest.Item, phase: str, ranks: list[int]) -> str:
-    """What the timers of `ranks` said of a hang in `phase` of this test, with their stacks
-    ("" when none fired): a rank whose timer fired published its outcome and ended."""
-    key = item.stash.get(_key_key, None)
-    if key is None or session.peers is None:
-        return ""
-    said = []
-    for rank in ranks:
-        blob = session.peers.read(f"{key}/{phase}/outcome/{rank}")
-        if blob is None:
-            continue
-        outcome: RankOutcome = pickle.loads(blob)
-        where = f", in {outcome.where}" if outcome.where else ""
-        said.append(
-            f"rank {rank} hung in its {phase} ({'; '.join(outcome.notes)}){where}\n"
-            f"-- Python stacks at the deadline --\n{outcome.stack}"
-        )
-    return "".join(f"\n\n{text}" for text in said)
-
-
 def agree_on_set_up(
     item: pytest.Item, session: LaunchedSession, spec: RankSpec, error: BaseException | None
 ) -> None:
@@ -118,8 +81,7 @@ def agree_on_set_up(
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
         session.lost.update(session.absent)
         session.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
-        hung = hangs_in(session, item, "set-up", sorted(session.absent))
-        pytest.fail(f"not every rank finished setting up ({absent}){hung}", pytrace=False)
+        pytest.fail(f"not every rank finished setting up ({absent})", pytrace=False)
     skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
     errors = {r: s for r, s in failed.items() if r not in skips}
     if errors and (error is None or session.rank in skips):

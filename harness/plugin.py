@@ -175,12 +175,9 @@ def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] 
     return None
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Any:
-    with launched_hooks.teardown_bounded(item, item.stash.get(_spec_key, None)):
-        result = yield
-    runner.raise_leftovers(item)  # after pytest's own teardown, as a trylast hook would
-    return result
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    runner.raise_leftovers(item)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

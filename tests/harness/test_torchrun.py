@@ -921,44 +921,6 @@ def test_a_collection_error_on_one_rank_ends_every_rank_showing_it(
     assert "missing optional dependency on this node" in result.output, result.output
 
 
-HANGS_IN_A_RANK_FIXTURE = """
-@pytest.fixture
-def set_up_hangs(rank):
-    if rank == 1:
-        dist.barrier()  # rank 0 never joins it
-    return rank
-
-
-@pytest.fixture
-def teardown_hangs(rank):
-    yield
-    if rank == 1:
-        threading.Event().wait()
-
-
-@pytest.mark.ranks(timeout=5)
-def test_{phase}(rank, {phase}_hangs):
-    pass
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("phase", ["set_up", "teardown"])
-def test_a_hang_in_a_rank_fixture_is_bounded_by_the_tests_timeout(
-    pytester: pytest.Pytester, phase: str
-) -> None:
-    """Only the body had a timer: a rank fixture's hang lasted until the group's timeout
-    (the test's + 120 s), and was then reported as a set-up error without stacks."""
-    source = HANGS_IN_A_RANK_FIXTURE.format(phase=phase)
-    result = torchrun(write(pytester, test_fixture_hang=source), 2, timeout=100)
-    assert result.returncode != 0, result.output
-    words = "set-up" if phase == "set_up" else "teardown"
-    assert f"rank 1 hung in its {words} (still running at the test's timeout (5 s))" in (
-        result.output
-    ), result.output
-    assert "-- Python stacks at the deadline --" in result.output, result.output
-
-
 FAILS_WHILE_A_PEER_WAITS = """
 import time
 
