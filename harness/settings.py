@@ -310,9 +310,24 @@ def _turns_pytest_timeout_off(value: Any) -> bool:
 
 
 def marked_sizes(item: pytest.Item | pytest.Function, mark: pytest.Mark) -> list[int]:
-    """The world sizes `@pytest.mark.ranks(2, 4)` asks for; SpecError for a bad one."""
+    """The world sizes `@pytest.mark.ranks(2, 4)` asks for; SpecError for a bad one, or for
+    ranks markers stacked on the test itself (only the closest would apply)."""
     origin = f"@pytest.mark.ranks on {item.nodeid}"
+    stacked = [m for m in item.own_markers if m.name == "ranks"]
+    if len(stacked) > 1:
+        shown = ", ".join(_shown_marker(m) for m in reversed(stacked))  # as written, top down
+        every = sorted({size for m in stacked for size in m.args}, key=str)
+        raise SpecError(
+            f"{origin} has {len(stacked)} ranks markers ({shown}), of which only one would "
+            f"apply: give one, with every world size to run it at "
+            f"(ranks({', '.join(map(str, every))}))"
+        )
     return [_world_size(size, origin) for size in mark.args]
+
+
+def _shown_marker(mark: pytest.Mark) -> str:
+    args = [repr(a) for a in mark.args] + [f"{k}={v!r}" for k, v in mark.kwargs.items()]
+    return f"{mark.name}({', '.join(args)})"
 
 
 def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:

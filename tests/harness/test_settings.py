@@ -107,6 +107,39 @@ BAD_MARKERS = {
 }
 
 
+def test_two_ranks_markers_on_one_test_are_an_error_not_one_ignored(
+    inner: pytest.Pytester,
+) -> None:
+    # Only the closest applied: a test stacked with ranks(2) and ranks(3) ran at 3 alone.
+    # One on its class and one on the method is an override, as for any marker.
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.ranks(3)
+        def test_stacked(rank):
+            pass
+
+        @pytest.mark.ranks(3)
+        class TestOverride:
+            @pytest.mark.ranks(2)
+            def test_method(self, world_size):
+                assert world_size == 2
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_stacked*",
+            "*@pytest.mark.ranks on *test_stacked has 2 ranks markers (ranks(2), ranks(3)), "
+            "of which only one would apply: give one, with every world size to run it at "
+            "(ranks(2, 3))*",
+        ]
+    )
+
+
 @pytest.mark.parametrize("marker", list(BAD_MARKERS))
 def test_a_bad_ranks_marker_errors_that_test_alone(inner: pytest.Pytester, marker: str) -> None:
     inner.makepyfile(
