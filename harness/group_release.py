@@ -80,6 +80,8 @@ def still_held(bound_s: float) -> bool:
     for thread in threading.enumerate():  # freeing takes about 20 ms a group
         if thread.name == _RELEASE_THREAD:
             thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():  # still freeing (a loaded machine): nothing holds it
+                return False
     if not any(ref() is not None for ref in _destroyed):
         return False
     gc.collect()  # tenths of a second with torch loaded: only for a group still alive

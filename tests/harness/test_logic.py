@@ -144,3 +144,39 @@ def test_a_rank_outside_any_collective_is_the_root_of_a_hang() -> None:
     diagnosis = diagnose(outcomes, [0, 1])
     assert (diagnosis.root, diagnosis.collateral) == (1, (0,))
     assert outcomes[0].describe() == "hung in all_gather"
+
+
+def test_a_group_a_release_thread_is_still_freeing_is_not_taken_for_held() -> None:
+    # On a loaded machine a release thread can take more than the bound to free its group.
+    # The group was then taken for held by something the test left, and the rank ended
+    # after its result: the next test, already sent to it, failed ("exited with status 0").
+    import threading
+    import weakref
+
+    from harness import group_release
+
+    class Group:  # stands for a gloo group: weakly referenced, freed by a release thread
+        pass
+
+    held: list[Any] = [Group()]
+    go = threading.Event()
+
+    def free() -> None:
+        go.wait(30)
+        held.clear()
+
+    thread = threading.Thread(target=free, name=group_release._RELEASE_THREAD, daemon=True)
+    saved = group_release._destroyed[:]
+    group_release._destroyed[:] = [weakref.ref(held[0])]
+    thread.start()
+    try:
+        assert not group_release.still_held(0.05)  # still being freed: not held
+        go.set()
+        thread.join(5)
+        assert not group_release.still_held(0.05)  # freed
+        kept = Group()  # something the test left holds this one: held
+        group_release._destroyed[:] = [weakref.ref(kept)]
+        assert group_release.still_held(0.05)
+    finally:
+        go.set()
+        group_release._destroyed[:] = saved

@@ -921,6 +921,24 @@ def test_a_collection_error_on_one_rank_ends_every_rank_showing_it(
     assert "missing optional dependency on this node" in result.output, result.output
 
 
+FAILS_ON_EVERY_RANK_ITS_OWN_WAY = """
+def test_each_rank_fails():
+    assert False, f"rank {os.environ['RANK']}'s own failure"
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_test_failing_on_several_ranks_shows_each_ranks_failure(
+    pytester: pytest.Pytester,
+) -> None:
+    """Rank 0's report showed its own failure alone: rank 1's was lost."""
+    result = torchrun(write(pytester, test_each=FAILS_ON_EVERY_RANK_ITS_OWN_WAY), 2)
+    assert junit_cases(result.junit) == {"test_each_rank_fails": "failure"}, result.output
+    assert "rank 0's own failure" in result.output, result.output
+    assert "rank 1 failed this test too" in result.output, result.output
+    assert "rank 1's own failure" in result.output, result.output
+
+
 FAILS_WHILE_A_PEER_WAITS = """
 import time
 
