@@ -102,7 +102,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    runner.note_set_up_start(item)
     launched_hooks.begin(item)
     error = item.stash.get(_spec_error_key, None)
     if error is not None:

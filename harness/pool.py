@@ -90,9 +90,6 @@ class RunRequest:
     target: Target
     args_blob: bytes
     live: LiveStreams | None = None  # pytest -s or tee-sys: echo rank output as it comes
-    # Seconds of the spec's timeout already spent before the body: pytest-timeout gives a
-    # test's set-up, body and teardown one budget, and the body gets what is left of it.
-    spent_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -306,18 +303,15 @@ class Pool:
             poll.register(slot.process.sentinel, select.POLLIN)
         return not poll.poll(0)
 
-    def run(
-        self, tasks: list[RunTask], live: LiveStreams | None = None, spent_s: float = 0.0
-    ) -> list[RankOutcome]:
+    def run(self, tasks: list[RunTask], live: LiveStreams | None = None) -> list[RankOutcome]:
         """Run one task per rank and return every rank's outcome, in rank order.
 
         `live`: echo each rank's output lines there as they come, "[rank k] ..." (-s, tee-sys).
-        `spent_s`: seconds of the spec's timeout already spent (see RunRequest).
         """
         completed = False
         try:
             _tell_starting(self.pids)
-            outcomes = _Run(self, tasks, tasks[0].spec.timeout_s, live, spent_s).collect()
+            outcomes = _Run(self, tasks, tasks[0].spec.timeout_s, live).collect()
             completed = True
             return outcomes
         finally:
@@ -380,20 +374,14 @@ class _Run:
     """The pytest side of one run: send, wait for every rank within the deadline, classify."""
 
     def __init__(
-        self,
-        pool: Pool,
-        tasks: list[RunTask],
-        timeout_s: float,
-        live: LiveStreams | None = None,
-        spent_s: float = 0.0,
+        self, pool: Pool, tasks: list[RunTask], timeout_s: float, live: LiveStreams | None = None
     ) -> None:
         self.pool = pool
         self._live = LiveOutput(pool.slots, live)
         self.slots = list(pool.slots)
         self.tasks = tasks
         self.key = tasks[0].key
-        self.timeout_s = timeout_s  # the test's, as the report names it
-        self.spent_s = spent_s  # of it, before the run: the run is bounded by the rest
+        self.timeout_s = timeout_s
         self.outcomes: dict[int, RankOutcome] = {}
         self.first_failure_at: float | None = None
         # When the first rank ended in a way the test did not declare: its peers then get
@@ -418,7 +406,7 @@ class _Run:
                 slot.conn.send_bytes(pickle.dumps(Message(Kind.RUN, task), pickle.HIGHEST_PROTOCOL))
             except OSError:  # BrokenPipeError included: the rank is already dead
                 self._record_death(slot)
-        deadline = start + self.timeout_s - self.spent_s
+        deadline = start + self.timeout_s
         while len(self.outcomes) < len(self.slots):
             limit = deadline
             if self.grace_from is not None:
@@ -550,18 +538,12 @@ class _Run:
             elif self.grace_from is not None:
                 waited = now - self.grace_from
                 outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
-            elif self.spent_s >= SPENT_NAMED_FROM_S:
-                outcome.notes.append(
-                    f"still running at the {self.timeout_s:g} s timeout, {self.spent_s:.2f} s "
-                    f"of it spent setting the test up in the pytest process; killed"
-                )
             else:
                 outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
             self.outcomes[slot.rank] = outcome
 
 
 _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
-SPENT_NAMED_FROM_S = 0.1  # a timeout report names the set-up's share of the bound from this
 
 
 def _context(start_method: str) -> Any:
@@ -613,7 +595,6 @@ class Pools:
         self._serial = itertools.count(1)
         self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
         self.started_pids: set[int] = set()
-        self.starting_s = 0.0  # spent starting ranks, all runs together: no test's own time
         # Pools running a run now: a second run for the same key at once (a join=False spawn,
         # then another) gets spare ranks, never a place in the queue of busy ones.
         self._busy: set[PoolKey] = set()
@@ -633,17 +614,10 @@ class Pools:
             self._kept.pop(key, None)  # new ranks hold no group
             if pool is not None:
                 pool.close()
-            pool = self._start(key)
+            pool = Pool(key, self._workdir)
             self._pools[key] = pool
             self.started_pids.update(pool.pids)
         return pool
-
-    def _start(self, key: PoolKey) -> Pool:
-        began = time.monotonic()
-        try:
-            return Pool(key, self._workdir)
-        finally:
-            self.starting_s += time.monotonic() - began
 
     def run(self, request: RunRequest) -> list[RankOutcome]:
         """Run `request` on a warm pool for its spec: on the group the last clean run kept
@@ -652,14 +626,13 @@ class Pools:
         A set-up that failed on every rank (the body never ran) is tried again with a fresh
         group, up to SET_UP_ATTEMPTS times within the run's own bound.
         """
-        deadline = time.monotonic() + request.spec.timeout_s - request.spent_s
+        deadline = time.monotonic() + request.spec.timeout_s
         for attempt in range(1, SET_UP_ATTEMPTS + 1):
-            attempt_request = request
-            if attempt > 1:  # what is left of the bound, all of it the retry's own
-                remaining = deadline - time.monotonic()
-                spec = replace(request.spec, timeout_s=remaining)
-                attempt_request = replace(request, spec=spec, spent_s=0.0)
-            outcomes, reused = self._run_once(attempt_request, attempt, request.spec.timeout_s)
+            remaining = deadline - time.monotonic()
+            spec = replace(request.spec, timeout_s=remaining) if attempt > 1 else request.spec
+            outcomes, reused = self._run_once(
+                replace(request, spec=spec), attempt, request.spec.timeout_s
+            )
             # On a kept group, a rank without it (never expected) sets none up: try afresh.
             failed = [o.setup_failed for o in outcomes]
             if not (all(failed) or (reused and any(failed))):
@@ -690,11 +663,11 @@ class Pools:
 
     def _run_on_spare_ranks(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
         """A run while its key's warm ranks are busy: on ranks started for it, then closed."""
-        pool = self._start(PoolKey.of(request.spec))
+        pool = Pool(PoolKey.of(request.spec), self._workdir)
         self.started_pids.update(pool.pids)
         tasks, _launch_store = self._tasks(request, setup_attempt, None)
         try:
-            return pool.run(tasks, request.live, request.spent_s)
+            return pool.run(tasks, request.live)
         finally:
             pool.close()
 
@@ -709,7 +682,7 @@ class Pools:
             kept[0] if kept is not None and spec.keeps_group and kept[1] == spec.timeout_s else None
         )
         tasks, _launch_store = self._tasks(request, setup_attempt, reuse)
-        outcomes = pool.run(tasks, request.live, request.spent_s)
+        outcomes = pool.run(tasks, request.live)
         kept_ids = {o.kept_group for o in outcomes}
         in_step = _same_counts(outcomes) and _messages_all_received(outcomes)
         if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import pickle
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -73,12 +72,7 @@ class HarnessError(Failed):  # pytest.fail's exception: reported with its messag
 def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
     spec = with_fixture_faults(item, spec)
-    spent = spent_before_body(item, spec)
-    starting = pools_of(item.config).starting_s
-    try:
-        outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item), spent)
-    finally:
-        item.stash[_starting_key] = pools_of(item.config).starting_s - starting
+    outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
     _stop_if_a_rank_did(outcomes)
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
@@ -510,25 +504,10 @@ def _named(cls: type, root: RankOutcome) -> bool:
     return expectations.class_name(cls) in root.exc_classes
 
 
-_started_key = pytest.StashKey[float]()  # time.monotonic() as the test's set-up began
-# pytest-timeout's one budget for the test's set-up, body and teardown: (seconds, deadline).
-_budget_key = pytest.StashKey[tuple[float, float]]()
-_starting_key = pytest.StashKey[float]()  # of the call, seconds spent starting ranks
-
-
-def note_set_up_start(item: pytest.Item) -> None:
-    """Mark the start of `item`'s set-up, where pytest-timeout's timer starts too."""
-    item.stash[_started_key] = time.monotonic()
-
-
 @contextlib.contextmanager
 def pytest_timeout_paused(item: pytest.Item) -> Iterator[None]:
-    """pytest-timeout's timer off while the harness runs the body under its own bound.
-
-    Where pytest-timeout times the whole test (not func_only), set-up, body and teardown
-    share its one budget, as in a plain test: the body's share is what the set-up left
-    (see spent_before_body), and the teardown's timer is set to what the body left.
-    """
+    """pytest-timeout's timer off while the harness runs the body under its own bound, and
+    set afresh for the teardown after it (pytest-timeout times the whole protocol)."""
     hooks = item.config.pluginmanager.hook
     timing = item.config.pluginmanager.get_plugin("timeout")
     settings_of_item = getattr(timing, "_get_item_settings", None)
@@ -536,42 +515,15 @@ def pytest_timeout_paused(item: pytest.Item) -> Iterator[None]:
         yield
         return
     settings = settings_of_item(item)
-    if not settings.timeout or settings.timeout <= 0:
+    if not settings.timeout:
         yield
         return
     hooks.pytest_timeout_cancel_timer(item=item)
-    started = item.stash.get(_started_key, None)
-    if started is not None and not settings.func_only:
-        item.stash[_budget_key] = (settings.timeout, started + settings.timeout)
     try:
         yield
     finally:
-        if _budget_key in item.stash:
-            del item.stash[_budget_key]
         if not settings.func_only:
-            left = settings.timeout
-            if started is not None:  # starting ranks is the harness's time, not the test's
-                starting = item.stash.get(_starting_key, 0.0)
-                left = started + settings.timeout + starting - time.monotonic()
-            if left > 0:  # else the body ran out of it, and that was reported
-                hooks.pytest_timeout_set_timer(item=item, settings=settings._replace(timeout=left))
-
-
-def spent_before_body(item: pytest.Item, spec: RankSpec) -> float:
-    """Seconds of the body's bound the set-up already spent: where the bound is
-    pytest-timeout's, which times set-up, body and teardown together; else 0."""
-    budget = item.stash.get(_budget_key, None)
-    if budget is None or budget[0] != spec.timeout_s:  # another bound (ranks(timeout=...))
-        return 0.0
-    seconds, deadline = budget
-    spent = seconds - (deadline - time.monotonic())
-    if spent >= seconds:
-        pytest.fail(
-            f"the test's {seconds:g} s timeout (pytest-timeout's, for its set-up, body and "
-            f"teardown together) was spent setting it up ({spent:.2f} s); the body did not run",
-            pytrace=False,
-        )
-    return max(spent, 0.0)
+            hooks.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 def skip_without_gpus(needed: int) -> None:
@@ -589,14 +541,12 @@ def skip_without_gpus(needed: int) -> None:
 
 
 def run(
-    config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes, spent_s: float = 0.0
+    config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes
 ) -> list[RankOutcome]:
-    """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`;
-    `spent_s` of its timeout is already spent (see RunRequest)."""
+    """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
     from harness.pool import RunRequest
 
-    request = RunRequest(spec, target, args_blob, _live_streams(config), spent_s)
-    return pools_of(config).run(request)
+    return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
 
 
 def _live_streams(config: pytest.Config) -> LiveStreams | None:

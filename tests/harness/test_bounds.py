@@ -133,55 +133,6 @@ def test_a_timeout_marker_of_0_turns_pytest_timeout_off_as_for_a_plain_test(
     result.stdout.fnmatch_lines(["*still running at the 2 s timeout; killed*"])
 
 
-SHARED_BUDGET = """
-import time, pytest
-
-@pytest.fixture
-def slow_set_up():
-    time.sleep(1.5)
-
-@pytest.fixture
-def slow_teardown():
-    yield
-    time.sleep(1.5)
-
-@pytest.mark.timeout(2.5)
-@pytest.mark.ranks(2)
-def test_set_up_and_body(rank, slow_set_up):
-    time.sleep(1.5)
-
-@pytest.mark.timeout(2.5)
-@pytest.mark.ranks(2)
-def test_body_and_teardown(rank, slow_teardown):
-    time.sleep(1.5)
-
-@pytest.mark.timeout(2.5)
-@pytest.mark.ranks(2)
-def test_within_the_budget(rank, slow_set_up):
-    pass
-"""
-
-
-def test_set_up_body_and_teardown_share_pytest_timeouts_budget_as_in_a_plain_test(
-    inner: pytest.Pytester,
-) -> None:
-    # pytest-timeout times a test's whole protocol with one timer (func_only=False): 1.5 s
-    # of set-up and 1.5 s of body overrun 2.5 s. The body used to get the whole 2.5 s again.
-    inner.makepyfile(SHARED_BUDGET)
-    result = inner.runpytest("-p", "harness", "--timeout-method", "signal", "-rA")
-    result.assert_outcomes(passed=2, errors=1, failed=1)
-    result.stdout.fnmatch_lines(
-        ["*ERROR at teardown of test_body_and_teardown*", "*Timeout (>*s) from pytest-timeout*"]
-    )
-    result.stdout.fnmatch_lines(
-        [
-            "*_ test_set_up_and_body*",
-            "still running at the 2.5 s timeout, 1.* s of it spent setting the test up "
-            "in the pytest process; killed",
-        ]
-    )
-
-
 def test_bad_option_values_name_their_source(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest("-p", "harness", "--rank-timeout", "soon")
