@@ -431,11 +431,13 @@ LABEL_SHOWN_MAX = 120  # a longer label is shown by its head and tail, and its l
 
 def _shown_label(label: str) -> str:
     """`label` as messages name it: its repr, or for a long one (a model's module names,
-    say) its head and tail, which are what tell two such labels apart."""
-    if len(label) <= LABEL_SHOWN_MAX:
-        return repr(label)
-    head, tail = repr(label[:80]), repr(label[-30:])
-    return f"{head[:-1]}...{tail[1:]} ({len(label)} characters)"
+    say) its head and tail, its length and a digest of it, which tells apart two labels
+    that differ only in the middle."""
+    shown = repr(label)
+    if len(shown) <= LABEL_SHOWN_MAX:
+        return shown
+    digest = hashlib.blake2b(label.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    return f"{shown[:80]}...{shown[-30:]} ({len(label)} characters, #{digest})"
 
 
 def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:

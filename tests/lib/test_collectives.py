@@ -180,9 +180,22 @@ def test_a_long_label_is_shortened_in_messages_keeping_what_tells_ranks_apart(
     assert out.endings == [E, E], out.report()
     for o in out:
         assert "ranks out of step" in o.message and len(o.message) < 1000, o.message[:300]
-        assert "layer.attn' (120004 characters))" in o.message, o.message
-        assert "layer.mlp' (120003 characters))" in o.message, o.message
+        assert "layer.attn' (120004 characters, #" in o.message, o.message
+        assert "layer.mlp' (120003 characters, #" in o.message, o.message
         assert o.message.startswith("all_reduce('layer.layer."), o.message
+
+
+def test_long_labels_that_differ_only_in_the_middle_are_told_apart() -> None:
+    from rankwise._collectives import _call_of
+
+    one, _ = _call_of("all_reduce", "model." + "block." * 30 + "3.attn" + ".weight" * 10)
+    two, _ = _call_of("all_reduce", "model." + "block." * 30 + "4.attn" + ".weight" * 10)
+    assert one.text != two.text and len(one.text) < 200, (one.text, two.text)
+    quoted, _ = _call_of("all_reduce", "it's " + "e" * 150 + ' say "x"')
+    assert quoted.text.startswith("all_reduce('it\\'s eee"), quoted.text  # cut from one repr
+    assert quoted.text.split(" (")[0].endswith('say "x"\''), quoted.text
+    zeros, _ = _call_of("all_reduce", "\x00" * 120)  # short, but its repr is not
+    assert len(zeros.text) < 200, zeros.text
 
 
 def test_a_long_label_that_is_not_a_str_is_shortened_too() -> None:
