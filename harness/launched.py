@@ -110,6 +110,9 @@ class LaunchedSession:
         self.watch = Watch(self)
         self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
         self.absent: dict[int, str] = {}  # why ranks were missing from the last exchange
+        # Under --continue-on-collection-errors: the other ranks' collection errors, which
+        # this rank's report would not show (their own reports are quiet).
+        self.peer_collection_errors: list[str] = []
         self.dying = False  # an injected fault is about to end this process
         self._group: Any = None  # the session's own default group, to tell it from others
         self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
@@ -193,6 +196,10 @@ class LaunchedSession:
                 continue
             theirs = json.loads(blob)
             errors += [f"rank {r} could not collect {text}" for text in theirs["errors"]]
+            if r != self.rank:
+                self.peer_collection_errors += [
+                    f"rank {r} could not collect {text}" for text in theirs["errors"]
+                ]
             if theirs["tests"] != mine:
                 differences.append(_collection_difference(r, theirs["tests"], self.rank, mine))
         if errors and not self.config.getoption("continue_on_collection_errors", False):

@@ -169,6 +169,7 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         here = f"it did not fail on rank {launched.rank}"
         report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
         _add_sections(report, rank, theirs)
+        _also_failed(report, failed, rank)
         return
     if report.outcome == "failed" and report_looks_collateral(report.longreprtext):
         causes = [(r, t) for r, t in failed if not report_looks_collateral(t["text"])]
@@ -180,9 +181,20 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
                 f"({here}):\n{theirs['text']}"
             )
             _add_sections(report, rank, theirs)
+            _also_failed(report, causes, rank)
         return
-    if report.outcome != "failed":
-        _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
+    if report.outcome == "failed":
+        _also_failed(report, failed, launched.rank)
+        return
+    _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
+
+
+def _also_failed(report: pytest.TestReport, failed: list[tuple[int, Any]], shown: int) -> None:
+    """Every other rank's own failure, each in a section of the report: one rank's report
+    would hide the others' errors (each rank runs a test without ranks on its own)."""
+    for rank, theirs in failed:
+        if rank != shown:
+            report.sections.append((f"rank {rank} failed this test too", theirs["text"]))
 
 
 # How often a rank whose test failed looks at the peers it still waits for: one blocked in
@@ -370,8 +382,14 @@ def session_finish(session: pytest.Session) -> None:
 
 def terminal_summary(reporter: Any) -> None:
     launched = _session(reporter.config)
-    if launched is None or not launched.stop_reason or launched.real_writer is not None:
-        return  # not launched, nothing to say, or a quiet rank
+    if launched is None or launched.real_writer is not None:
+        return  # not launched, or a quiet rank
+    if launched.peer_collection_errors:  # --continue-on-collection-errors: theirs, not shown
+        reporter.write_sep("=", "harness: collection errors on other ranks", red=True)
+        for text in launched.peer_collection_errors:
+            reporter.write_line(text)
+    if not launched.stop_reason:
+        return
     left = launched.not_run()
     reporter.write_sep("=", "harness: the session ended early", red=True)
     reporter.write_line(launched.stop_reason)

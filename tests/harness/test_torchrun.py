@@ -939,6 +939,19 @@ def test_a_plain_test_failing_on_several_ranks_shows_each_ranks_failure(
     assert "rank 1's own failure" in result.output, result.output
 
 
+@pytest.mark.slow
+def test_with_continue_on_collection_errors_rank_0_shows_another_ranks_error(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session goes on, and rank 1's error was shown nowhere: rank 0 reported "1 passed"
+    while the run exited 1."""
+    directory = write(pytester, test_a=COLLECTS, test_b=FAILS_TO_IMPORT_ON_RANK_1)
+    result = torchrun(directory, 2, "--continue-on-collection-errors", timeout=120)
+    assert "harness: collection errors on other ranks" in result.output, result.output
+    assert "missing optional dependency on this node" in result.output, result.output
+    assert junit_cases(result.junit) == {"test_sum": "passed"}, result.output
+
+
 FAILS_WHILE_A_PEER_WAITS = """
 import time
 
