@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from harness import reaper
 from harness.launch_detect import Launch
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
@@ -176,7 +177,7 @@ class Peers:
             return False
         pid = _pid_here(_beat_fields(beat)[2])
         if pid is not None:
-            return not _running(pid)
+            return not reaper.alive(pid)
         return quiet > max(SILENT_AFTER_S, self.silent_elsewhere_s)
 
     def _at(self, rank: int) -> int:
@@ -189,7 +190,7 @@ class Peers:
         self._silent(rank)
         quiet = time.monotonic() - self._beats[rank][1]
         pid = _pid_here(_beat_fields(self._beats[rank][0])[2])
-        if quiet >= QUIET_AFTER_S and pid is not None and _running(pid):
+        if quiet >= QUIET_AFTER_S and pid is not None and reaper.alive(pid):
             return (
                 f"it did not answer within {waited:.3g} s (it was {where}); its process runs "
                 f"but gave no sign of life for {quiet:.3g} s: its main thread may hold the "
@@ -226,21 +227,6 @@ def _pid_here(place: str) -> int | None:
     """The pid of a process at `place`, if it is on this machine and in this pid namespace."""
     where, _, pid = place.rpartition("/")
     return int(pid) if where == _HERE and pid.isdigit() else None
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, ended but not yet reaped by the launcher, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def _main_thread_in_torch_distributed() -> bool:

@@ -736,9 +736,9 @@ class Pools:
         self._store = None
         shutil.rmtree(self._workdir, ignore_errors=True)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in self.started_pids):
+        while time.monotonic() < deadline and any(reaper.alive(p) for p in self.started_pids):
             time.sleep(0.05)
-        return sorted(p for p in self.started_pids if _alive(p))
+        return sorted(p for p in self.started_pids if reaper.alive(p))
 
 
 FORKSERVER_STOP_S = 5.0
@@ -800,19 +800,6 @@ def _reap(pid: int, bound_s: float) -> None:
         if done:
             return
         time.sleep(0.01)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped by the forkserver, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return not sys.platform.startswith("linux")
 
 
 def _same_counts(outcomes: list[RankOutcome]) -> bool:

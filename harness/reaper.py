@@ -166,3 +166,19 @@ def _stat_fields(pid: int) -> list[str]:
 def _running(pid: int) -> bool:
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] != "Z"
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by its parent, does not);
+    without /proc, whether a signal could reach it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not _ON_LINUX
