@@ -195,11 +195,10 @@ class LaunchedSession:
                 differences.append(f"rank {r} did not finish collecting: {self.absent[r]}")
                 continue
             theirs = json.loads(blob)
-            errors += [f"rank {r} could not collect {text}" for text in theirs["errors"]]
+            said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
+            errors += said_by_r
             if r != self.rank:
-                self.peer_collection_errors += [
-                    f"rank {r} could not collect {text}" for text in theirs["errors"]
-                ]
+                self.peer_collection_errors += said_by_r
             if theirs["tests"] != mine:
                 differences.append(_collection_difference(r, theirs["tests"], self.rank, mine))
         if errors and not self.config.getoption("continue_on_collection_errors", False):
