@@ -426,7 +426,7 @@ def _members(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-LABEL_SHOWN_MAX = 120  # a longer label is shown by its head and tail, and its length
+LABEL_SHOWN_MAX = 120  # a label whose repr is longer is shown cut (see _shown_label)
 
 
 def _shown_label(label: str) -> str:
