@@ -162,10 +162,10 @@ class Peers:
         return found
 
     def _silent(self, rank: int) -> bool:
-        """Whether `rank` is gone: its heartbeat unchanged for SILENT_AFTER_S, and its
-        process ended. A heartbeat is a thread's, which cannot run while the main thread
-        holds the GIL in one long call (a regex, json.loads): a peer on this machine is
-        asked directly; one elsewhere is taken for gone only past `silent_elsewhere_s`."""
+        """Whether `rank` is gone. A heartbeat is a thread's, which cannot run while the main
+        thread holds the GIL in one long call (a regex, json.loads): a peer on this machine
+        is gone once it missed a few beats and its process has ended; one elsewhere, once
+        silent for `silent_elsewhere_s` (at least SILENT_AFTER_S)."""
         beat = self.read(f"beat/{rank}") or b""
         seen = self._beats.get(rank)
         now = time.monotonic()
@@ -173,11 +173,9 @@ class Peers:
             self._beats[rank] = (beat, now)
             return False
         quiet = now - seen[1]
-        if quiet <= SILENT_AFTER_S:
-            return False
         pid = _pid_here(_beat_fields(beat)[2])
-        if pid is not None:
-            return not reaper.alive(pid)
+        if pid is not None:  # asked directly, once a few beats are missed
+            return quiet > QUIET_AFTER_S and not reaper.alive(pid)
         return quiet > max(SILENT_AFTER_S, self.silent_elsewhere_s)
 
     def _at(self, rank: int) -> int:

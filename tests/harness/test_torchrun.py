@@ -288,8 +288,8 @@ def test_after():
 """
     result = torchrun(write(pytester, test_gone=source), 2)
     out = result.output
-    assert "rank 1: it gave no sign of life for" in out, out
-    assert "its process has likely ended" in out
+    # On this machine its process is looked at: ended, so gone after a few missed beats.
+    assert re.search(r"rank 1: no sign of life for [\d.]+ s: its process ended", out), out
     assert "did not answer" not in out
     assert sorted(result.exit_codes()) == [-9, 1], out
 
