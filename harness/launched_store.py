@@ -188,7 +188,9 @@ class Peers:
         self._silent(rank)
         quiet = time.monotonic() - self._beats[rank][1]
         pid = _pid_here(_beat_fields(self._beats[rank][0])[2])
-        if quiet >= QUIET_AFTER_S and pid is not None and reaper.alive(pid):
+        if pid is not None and not reaper.alive(pid):  # on this machine: known, not guessed
+            return f"no sign of life for {quiet:.3g} s: its process ended (it was {where})"
+        if quiet >= QUIET_AFTER_S and pid is not None:
             return (
                 f"it did not answer within {waited:.3g} s (it was {where}); its process runs "
                 f"but gave no sign of life for {quiet:.3g} s: its main thread may hold the "
