@@ -199,6 +199,9 @@ def tail(path: Path) -> str:
 
 
 LIVE_POLL_S = 0.1
+# How long a rank may take to say it stays after a failure or a dropped group: its own bound
+# on the check (worker.RELEASE_BOUND_S, then garbage collection), and some.
+SETTLE_S = 5.0
 # A rank that returned keeps its group only if every peer returns within this long too (or
 # none failed); otherwise it drops it, so peers blocked on it fail at once.
 KEEP_WAIT_S = 0.25
@@ -395,6 +398,7 @@ class _Run:
         # per wait (multiprocessing.connection.wait) registers them all again every time.
         self._poll = select.poll()
         self._watched: dict[int, tuple[_Slot, bool]] = {}  # fd -> (slot, is its pipe)
+        self._to_settle: set[int] = set()  # ranks that say whether they stay (Kind.SETTLED)
 
     def collect(self) -> list[RankOutcome]:
         start = time.monotonic()
@@ -431,9 +435,34 @@ class _Run:
             o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys() or o.replace_after
             for o in self.outcomes.values()
         )
+        if not suspect and not self._all_stay():
+            suspect = True  # a rank ends (a group it cannot drop), or never said: replaced
         if suspect:
             self.pool.close()  # the next test gets a fresh pool, never a suspect rank
         return [self.outcomes[slot.rank] for slot in self.slots]
+
+    def _all_stay(self) -> bool:
+        """Wait for each rank that is to settle (after a failure on it, or a dropped group)
+        to say it stays; False when one ends or says nothing within SETTLE_S. A rank that
+        ended once the next run was sent to it would fail that run."""
+        pending = {s.conn: s for s in self.slots if s.rank in self._to_settle}
+        deadline = time.monotonic() + SETTLE_S
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready: list[Any] = multiprocessing.connection.wait(list(pending), timeout=left)
+            for conn in ready:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    return False
+                said = message.payload
+                if message.kind is Kind.SETTLED and said.key == self.key:
+                    if said.leaving:
+                        return False
+                    del pending[conn]
+        return True
 
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or groups are kept."""
@@ -456,6 +485,7 @@ class _Run:
             slot = next(s for s in self.slots if s.rank == outcome.rank)
             with contextlib.suppress(OSError):
                 slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
+                self._to_settle.add(outcome.rank)
 
     def _pending(self) -> list[_Slot]:
         return [s for s in self.slots if s.rank not in self.outcomes]
@@ -492,6 +522,8 @@ class _Run:
         if message.kind is not Kind.RESULT or outcome.key != self.key:
             return  # a late answer to an earlier run is never credited to this one
         self._record(outcome)
+        if outcome.ending is not Ending.RETURNED:
+            self._to_settle.add(outcome.rank)  # it checks its torn-down group, then says
 
     def _record_death(self, slot: _Slot) -> None:
         slot.process.join(timeout=5)

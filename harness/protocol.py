@@ -62,6 +62,9 @@ class Kind(enum.Enum):
     RUN = "run"  # pytest -> worker: run one test (or function) on this rank
     RESULT = "result"  # worker -> pytest: how the rank ended that run
     DROP_GROUP = "drop_group"  # pytest -> worker: tear the group kept after that run down
+    # worker -> pytest, after a RESULT that was not a return and after each DROP_GROUP:
+    # whether the rank stays to serve, or ends (a torn-down group it cannot drop)
+    SETTLED = "settled"
 
 
 @dataclass(frozen=True)
@@ -266,11 +269,18 @@ class DropGroup:
     key: str  # the run whose kept group to drop (a later run's group is never dropped)
 
 
+@dataclass(frozen=True)
+class Settled:
+    key: str  # the run it follows
+    leaving: bool  # the rank ends now: the pool must replace it before the next run
+
+
 PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.READY: Ready,
     Kind.RUN: RunTask,
     Kind.RESULT: RankOutcome,
     Kind.DROP_GROUP: DropGroup,
+    Kind.SETTLED: Settled,
 }
 
 

@@ -69,6 +69,7 @@ from harness.protocol import (
     Ready,
     RequestInfo,
     RunTask,
+    Settled,
     Target,
     decode_args,
     encode_where,
@@ -108,9 +109,10 @@ def main(conn: Any, files: RankFiles) -> None:
         except (EOFError, OSError):
             os._exit(0)  # the pytest process is gone
         if message.kind is Kind.DROP_GROUP:
-            if kept_group.kept_after(message.payload.key):
+            dropped = kept_group.kept_after(message.payload.key)
+            if dropped:
                 _teardown_group()  # peers still waiting on this rank fail now
-                _leave_if_a_group_is_held()
+            _settle(conn, message.payload.key, check=dropped)
             continue
         rank_logs.empty()  # its output files the pytest side empties before sending the task
         outcome = _serve(message.payload)
@@ -118,19 +120,24 @@ def main(conn: Any, files: RankFiles) -> None:
         _flush()
         conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
         if outcome.ending is not Ending.RETURNED:
-            _leave_if_a_group_is_held()
+            _settle(conn, outcome.key, check=True)
 
 
 RELEASE_BOUND_S = 1.0
 
 
-def _leave_if_a_group_is_held() -> None:
+def _settle(conn: Any, key: str, check: bool) -> None:
     """After a group was torn down because a test failed or a peer lags: a group something
     still holds (an FSDP model's mesh, say) keeps its sockets open, and a peer waiting on
-    this rank would wait until its timeout instead of failing at once. The rank then ends
-    (its result is sent): the kernel closes them, and the pool replaces it for the next
-    test. Only here, after the result is sent: collecting garbage takes tenths of a second."""
-    if group_release.still_held(RELEASE_BOUND_S):
+    this rank would wait until its timeout instead of failing at once. The rank then ends:
+    the kernel closes them. Either way it tells the pytest side first, which waits for this
+    before the next run (a rank ending once that run is sent would fail it) and replaces a
+    rank that ends. Only after the result is sent: collecting garbage takes tenths of a
+    second."""
+    leaving = check and group_release.still_held(RELEASE_BOUND_S)
+    with contextlib.suppress(OSError):
+        conn.send(Message(Kind.SETTLED, Settled(key, leaving)))
+    if leaving:
         _flush()
         os._exit(0)
 

@@ -73,8 +73,13 @@ def inner(pytester: pytest.Pytester) -> Iterator[pytest.Pytester]:
 
 
 # In-process pytester runs restore sys.modules afterwards; import what the inner runs load
-# (torch, the ranks' entry point) here once, so it is never unloaded between runs.
-import torch.distributed  # noqa: E402,F401
+# (torch, the ranks' entry point) here once, so it is never unloaded between runs. The
+# functional collectives register autograd kernels when imported: imported again by a later
+# inner run (an FSDP or DTensor test file), they warn, and warnings are errors here.
+import torch.distributed  # noqa: E402
+import torch.distributed._functional_collectives  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402
+import torch.distributed.tensor  # noqa: E402,F401
 
 import harness.pool  # noqa: E402
 import harness.worker  # noqa: E402,F401

@@ -180,3 +180,23 @@ def test_a_group_a_release_thread_is_still_freeing_is_not_taken_for_held() -> No
     finally:
         go.set()
         group_release._destroyed[:] = saved
+
+
+def test_a_rank_that_leaves_after_its_failure_is_replaced_before_the_next_run() -> None:
+    # A rank whose torn-down group something still holds ends after its result. It used to
+    # decide that on its own: the next test, already sent to it, then failed ("exited with
+    # status 0"). It now says whether it stays, and the run waits for that.
+    from harness.protocol import Settled
+
+    for leaving in (False, True):
+        pool = _FakePool(2)
+        for slot in pool.slots:
+            ending = Ending.RAISED if slot.rank == 1 else Ending.RETURNED
+            outcome = RankOutcome("this-run", slot.rank, 1, ending)
+            slot.rank_end.send(Message(Kind.RESULT, outcome))
+        pool.slots[1].rank_end.send(Message(Kind.SETTLED, Settled("old-run", False)))
+        pool.slots[1].rank_end.send(Message(Kind.SETTLED, Settled("this-run", leaving)))
+        tasks = [_task("this-run", 0), _task("this-run", 1)]
+        outcomes = _Run(pool, tasks, timeout_s=10).collect()  # type: ignore[arg-type]
+        assert [o.ending for o in outcomes] == [Ending.RETURNED, Ending.RAISED]
+        assert pool.closed is leaving, leaving
