@@ -162,8 +162,13 @@ def test_others_still_run():
 def test_leftover_processes_at_session_end_fail_the_session(inner: pytest.Pytester) -> None:
     inner.makeconftest(
         """
-        import harness.pool
-        harness.pool._alive = lambda pid: True  # pretend no rank would die
+        import harness.reaper
+
+        real_alive = harness.reaper.alive
+        harness.reaper.alive = lambda pid: True  # pretend no rank would die
+
+        def pytest_unconfigure(config):  # after the session's end, which is checked
+            harness.reaper.alive = real_alive
         """
     )
     inner.makepyfile(HEADER + "\n@pytest.mark.ranks(2)\ndef test_x(rank):\n    pass\n")
