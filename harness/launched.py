@@ -20,8 +20,10 @@ import json
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -156,9 +158,16 @@ class LaunchedSession:
         assert self.peers is not None
         return self.peers.wait_for(key, seconds)
 
-    def gather(self, name: str, value: bytes | str | None, seconds: float) -> list[bytes | None]:
+    def gather(
+        self, name: str, value: bytes | str | None, seconds: float, follow_exits: bool = True
+    ) -> list[bytes | None]:
         """Every rank's `value` under `name`, in rank order; None for a rank that did not
-        publish (gone, moved on, or late past `seconds`: the reason lands in `absent`)."""
+        publish (gone, moved on, or late past `seconds`: the reason lands in `absent`).
+
+        A rank absent because it ended its session with pytest.exit() or KeyboardInterrupt
+        ends this one alike (pytest.exit with its words and status), unless `follow_exits`
+        is False (the session's end, where every rank is already stopping).
+        """
         assert self.peers is not None
         if value is not None:
             self._track(f"{name}/{self.rank}")
@@ -166,7 +175,22 @@ class LaunchedSession:
         if not self.absent:  # every rank is at this test: all have read the earlier tests' keys
             for old in [i for i in self._written if i < self.index]:
                 self.peers.drop(self._written.pop(old))
+        if follow_exits:
+            self._follow_an_exit()
         return found
+
+    def ended_early(self, text: str, code: int) -> None:
+        """This rank's session ends before its tests did (pytest.exit, KeyboardInterrupt)."""
+        self.put(f"exit/{self.rank}", json.dumps({"text": text, "code": code}))
+        self.at(2 * max(len(self.collected), self.index + 1))  # past every test: none waits
+
+    def _follow_an_exit(self) -> None:
+        assert self.peers is not None
+        for rank in sorted(self.absent):
+            blob = self.peers.read(f"exit/{rank}")
+            if blob is not None and rank != self.rank:
+                said = json.loads(blob)
+                raise pytest.exit(f"[rank {rank}] {said['text']}", returncode=said["code"])
 
     # ---- agreements ----------------------------------------------------------------------
 
@@ -376,7 +400,7 @@ class LaunchedSession:
         status = int(session.exitstatus)
         self.index = len(self.collected)  # past every test: the end's keys are not deleted
         mine = {"status": status, "failed": _failed(session)}
-        found = self.gather("status", json.dumps(mine), AGREE_S)
+        found = self.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
         if self.rank == 0:
             final = self._final(found, mine)
             self.put("final", str(final))
@@ -439,14 +463,30 @@ COLLECTION_ERROR_CHARS = 2000  # of each error's report, its end (where the erro
 
 
 def _collection_errors(config: pytest.Config) -> list[str]:
-    """This rank's collection errors so far: where, and the end of pytest's report."""
+    """This rank's collection errors so far: where, and the end of pytest's report; and the
+    exception that is stopping its collection, if one is (pytest reports the collection on
+    its way out, and a SystemExit in a module's import stops it with no error report)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     reports = [] if reporter is None else reporter.stats.get("error", [])
-    return [
+    errors = [
         f"{report.nodeid or '(the session)'}:\n{report.longreprtext[-COLLECTION_ERROR_CHARS:]}"
         for report in reports
         if isinstance(report, pytest.CollectReport) and report.failed
     ]
+    stopping = sys.exc_info()[1]
+    if stopping is not None:
+        text = _without_pytests_frames(stopping)
+        errors.append(f"(the collection stopped):\n{text[-COLLECTION_ERROR_CHARS:]}")
+    return errors
+
+
+def _without_pytests_frames(exc: BaseException) -> str:
+    """`exc`'s traceback with the frames of pytest, pluggy and the import system left out."""
+    shown = traceback.TracebackException.from_exception(exc)
+    internal = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", "importlib")
+    frames = [f for f in shown.stack if not any(part in f.filename for part in internal)]
+    shown.stack = traceback.StackSummary.from_list(frames)
+    return "".join(shown.format())
 
 
 def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str]) -> str:

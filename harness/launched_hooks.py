@@ -135,6 +135,22 @@ def internal_error(text: str) -> None:
         loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{text}")
 
 
+def ended_early(exc: BaseException) -> None:
+    """This rank's session ends now (pytest.exit() or KeyboardInterrupt): tell the peers why,
+    so that those waiting for it in a test end theirs alike instead of waiting it out."""
+    launched = _launched_sessions[-1] if _launched_sessions else None
+    if launched is None or launched.peers is None:
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        text, code = "KeyboardInterrupt", int(pytest.ExitCode.INTERRUPTED)
+    else:
+        returncode = getattr(exc, "returncode", None)
+        text = str(getattr(exc, "msg", exc))
+        code = returncode if isinstance(returncode, int) else int(pytest.ExitCode.INTERRUPTED)
+    with contextlib.suppress(Exception):
+        launched.ended_early(text, code)
+
+
 def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     """One verdict for a test without ranks too: every rank ran it on its own; a failure on
     any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
@@ -384,7 +400,8 @@ def terminal_summary(reporter: Any) -> None:
     launched = _session(reporter.config)
     if launched is None or launched.real_writer is not None:
         return  # not launched, or a quiet rank
-    if launched.peer_collection_errors:  # --continue-on-collection-errors: theirs, not shown
+    going_on = reporter.config.getoption("continue_on_collection_errors", False)
+    if launched.peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
         reporter.write_sep("=", "harness: collection errors on other ranks", red=True)
         for text in launched.peer_collection_errors:
             reporter.write_line(text)

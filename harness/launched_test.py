@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from _pytest.outcomes import Exit
 
 from harness import endings, environment, hygiene, rank_warnings, reaper, runner
 from harness.faults import Injector
@@ -115,6 +114,7 @@ def run(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> None
     spec = runner.with_fixture_faults(item, spec)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     outcomes = _run_everywhere(session, key, spec, item, lambda: item.obj(**kwargs))
+    runner.stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
     runner.record_leftovers(item, outcomes)
     if session.rank == 0 or session.real_writer is None:
@@ -218,8 +218,8 @@ def _body(
         injector.at_start()
         value = call()
         endings.refuse_awaitable(value)
-    except (KeyboardInterrupt, Exit):
-        raise  # pytest's own ways to stop the session
+    except KeyboardInterrupt:
+        raise  # Ctrl-C reaches every rank at once: each stops its own session
     except BaseException as exc:
         outcome = endings.ended_by(key, rank, exc, show_locals)
         endings.release(exc)

@@ -191,6 +191,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    launched_hooks.ended_early(excinfo.value)
+
+
 def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
     launched_hooks.internal_error(str(excrepr))
 

@@ -73,7 +73,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
     spec = with_fixture_faults(item, spec)
     outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
-    _stop_if_a_rank_did(outcomes)
+    stop_if_a_rank_did(outcomes)
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
     _warn_of_replaced_ranks(item, outcomes)
@@ -82,7 +82,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     judge(item, spec, outcomes)
 
 
-def _stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
+def stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
     """pytest.exit() or KeyboardInterrupt in a rank stops the session, as in a plain test."""
     for o in outcomes:
         if o.ending is not Ending.RAISED:

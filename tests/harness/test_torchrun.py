@@ -309,6 +309,25 @@ def test_depends_on_the_node(i):
     assert result.exit_codes() == [2, 2], out
 
 
+@pytest.mark.slow
+def test_a_module_that_exits_on_one_rank_is_named_as_the_cause(pytester: pytest.Pytester) -> None:
+    """sys.exit() while importing a test module on rank 1 alone was reported as the ranks
+    having collected different tests, and the SystemExit was lost."""
+    source = """
+if os.environ["RANK"] == "1":
+    sys.exit(4)
+
+def test_b():
+    pass
+"""
+    result = torchrun(write(pytester, test_exits_on_import=source), 2)
+    out = result.output
+    assert "collected different tests" not in out, out
+    assert "rank 1 could not collect" in out and "SystemExit: 4" in out, out
+    assert 'test_exits_on_import.py", line 6' in out, out  # where it was raised
+    assert result.exit_codes() == [2, 2], out
+
+
 # ---- detection, in this process -----------------------------------------------------------
 
 TORCHRUN = {
@@ -1071,3 +1090,48 @@ def test_a_peer_blocked_where_the_failing_rank_cannot_release_it_ends_the_sessio
     assert "harness: rank 0 is gone (blocked in torch.distributed, waiting on this rank)" in out
     assert "ERROR at setup of test_a" in out and "no GPU on rank 1" in out, out
     assert "ranks out of step at test_blocked.py::test_a" in out, out
+
+
+EXIT_IN_A_RANKS_BODY = """
+@pytest.mark.ranks(2)
+def test_a_stops_the_session(rank):
+    if rank == 1:
+        pytest.exit("enough for today", returncode=3)
+    dist.barrier()
+"""
+EXIT_IN_A_PLAIN_TEST = """
+def test_a_stops_the_session():
+    if os.environ["RANK"] == "1":
+        pytest.exit("enough for today", returncode=3)
+"""
+EXIT_IN_A_SET_UP = """
+@pytest.fixture
+def stops_on_rank_1():
+    if os.environ["RANK"] == "1":
+        pytest.exit("enough for today", returncode=3)
+
+@pytest.mark.ranks(2)
+def test_a_stops_the_session(rank, stops_on_rank_1):
+    dist.barrier()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source",
+    [EXIT_IN_A_RANKS_BODY, EXIT_IN_A_PLAIN_TEST, EXIT_IN_A_SET_UP],
+    ids=["ranks-body", "plain-test", "set-up"],
+)
+def test_pytest_exit_on_one_rank_ends_the_session_on_every_rank(
+    pytester: pytest.Pytester, source: str
+) -> None:
+    """pytest.exit() on rank 1 alone ended rank 1's session only: rank 0 waited for it until
+    the test's timeout (in a plain test, the 600 s wait for its peers) and reported it as
+    gone or hung, and the reason was lost."""
+    source += "\ndef test_b_never_runs():\n    pass\n"
+    result = torchrun(write(pytester, test_exit=source), 2, "--rank-timeout", "120")
+    out = result.output
+    assert "Exit: [rank 1] enough for today" in out, out
+    assert "test_b_never_runs" not in junit_cases(result.junit), out
+    assert "gone" not in out and "hung" not in out and "out of step" not in out, out
+    assert result.exit_codes() and set(result.exit_codes()) == {3}, out
