@@ -3,7 +3,7 @@
 - gather_bytes vs torch.distributed.gather_object of the same bytes: time and peak memory of
   the receiving rank (RSS growth), each method in a fresh world so the peaks do not mix.
 - all_reduce / broadcast_from vs all_gather_object / broadcast_object_list: latency on a
-  small value.
+  small value, until every rank holds it.
 - Time for every rank to raise when one rank's fn fails (ours), against how long a plain
   all_gather_object waits when a rank never joins (theirs: the group timeout, set short).
 """
@@ -103,13 +103,16 @@ def _gather_times(rank: int, size: int) -> tuple[list[float], list[float]]:
 
 def _latency(rank: int, methods: tuple[str, str]) -> tuple[list[float], list[float]]:
     """Both methods in one world, alternating call by call, so load on the machine (noisy
-    here) falls on both alike; the first 10 rounds are warm-up."""
+    here) falls on both alike; the first 10 of 210 rounds are warm-up. Each call is timed until
+    every rank holds the value (the call, then a barrier that both pay): a broadcast's source
+    alone returns once its bytes are sent, which would time the sending only."""
     times: tuple[list[float], list[float]] = ([], [])
-    for i in range(70):
+    for i in range(210):
         for which, method in enumerate(methods):
             dist.barrier()
             start = time.perf_counter()
             _small_collective(method, rank, i)
+            dist.barrier()
             times[which].append(time.perf_counter() - start)
     return times[0][10:], times[1][10:]
 

@@ -7,12 +7,14 @@ values cost what torch's object collectives cost. Anything else (tensors, tuples
 keys) is torch.save bytes and counts as sendable only if it loads back with
 ``weights_only=True`` on the rank that produced it, so a value the receivers could not load
 fails where it was made, before any rank waits for it. Loading never runs arbitrary code.
+A tensor that is a view of part of a larger storage travels as a copy of that part alone.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import pickle
 import sys
 from typing import Any
 
@@ -52,7 +54,7 @@ def encode(value: Any, what: str) -> bytes:
         )
     buffer = io.BytesIO()
     try:
-        torch.save(value, buffer)
+        torch.save(value, buffer, pickle_module=_CompactPickling)
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} cannot be saved with "
@@ -67,6 +69,32 @@ def encode(value: Any, what: str) -> bytes:
             f"torch.load(weights_only=True) ({refusal(exc)}); {_REGISTER_HINT}"
         ) from None  # torch's own text advises weights_only=False: never pass that on
     return data
+
+
+class _CompactPickler(pickle.Pickler):
+    """Saves a tensor that uses part of its storage (a row, a slice) as a copy of that part:
+    torch.save keeps a view's whole storage, so one row of a large tensor would send it all."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and _uses_part_of_its_storage(obj):
+            copy = obj.detach().clone()
+            copy.requires_grad_(obj.requires_grad)
+            copy.__dict__.update(obj.__dict__)  # attributes set on the tensor travel too
+            return copy.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)  # type: ignore[no-untyped-call]
+        return NotImplemented
+
+
+class _CompactPickling:
+    """What torch.save needs of a pickle module, with the compacting pickler."""
+
+    Pickler = _CompactPickler
+    Unpickler = pickle.Unpickler
+
+
+def _uses_part_of_its_storage(tensor: torch.Tensor) -> bool:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
+        return False
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
 
 
 def refusal(exc: BaseException) -> str:

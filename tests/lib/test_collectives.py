@@ -675,3 +675,31 @@ def test_an_exit_code_a_header_cannot_hold_reads_as_a_failure() -> None:
     from rankwise._collectives import _exit_code
 
     assert _exit_code(SystemExit(2**64)) == 1 and _exit_code(SystemExit(-3)) == -3
+
+
+def test_a_view_travels_without_the_rest_of_its_storage() -> None:
+    """torch.save keeps a view's whole storage: one row of a 16 MiB tensor sent 16 MiB."""
+    from rankwise import _wire
+
+    big = torch.arange(4 * 2**20, dtype=torch.float32).reshape(2048, 2048)
+    leaf = torch.ones(8, 8, requires_grad=True)
+    tagged = big[3]
+    tagged.note = "kept"  # type: ignore[attr-defined]
+    value = {"row": big[5, 10:20], "column": big[:, 7], "tagged": tagged, "grad": leaf[1]}
+    data = _wire.encode(value, "test")
+    assert len(data) < 64 * 1024, len(data)
+    back = _wire.decode(data)
+    assert torch.equal(back["row"], big[5, 10:20]) and torch.equal(back["column"], big[:, 7])
+    assert torch.equal(back["tagged"], big[3]) and back["tagged"].note == "kept"
+    assert back["grad"].requires_grad and torch.equal(back["grad"], leaf[1].detach())
+
+
+def test_whole_storages_and_expanded_tensors_travel_as_they_are() -> None:
+    from rankwise import _wire
+
+    whole = torch.arange(6.0).reshape(2, 3).t()  # every element of its storage: not copied
+    wide = torch.zeros(1).expand(2**20)  # one element stored: not made 4 MiB
+    both = _wire.decode(_wire.encode((whole, whole[0], wide), "test"))
+    assert both[0].stride() == whole.stride() and torch.equal(both[0], whole)
+    assert torch.equal(both[1], whole[0]) and both[2].shape == wide.shape
+    assert len(_wire.encode(wide, "test")) < 64 * 1024
