@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 
+from harness import endings
 from harness.outcome import exit_code
 from harness.protocol import Target
+
+endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 
 
 def find(target: Target) -> Any:
@@ -83,7 +86,7 @@ def _translate_exit(exc: SystemExit) -> None:
     if isinstance(cause, unittest.SkipTest):
         raise pytest.skip.Exception(str(cause) or "skipped") from None
     if code == error_exit_code() and isinstance(cause, Exception):
-        raise cause from None  # the test's own exception, with its traceback
+        _raise_unchained(cause)  # the test's own exception, with its traceback and causes
     reason = skip_messages().get(code)
     if reason is not None:
         raise pytest.skip.Exception(reason) from None
@@ -140,7 +143,18 @@ def run_continuous_case(
     if isinstance(result, unittest.SkipTest):
         raise pytest.skip.Exception(str(result) or "skipped")
     if isinstance(result, BaseException):
-        raise (result.__cause__ or result) from None
+        _raise_unchained(result.__cause__ or result)  # the base's wrapper left out
+
+
+def _raise_unchained(exc: BaseException) -> None:
+    """Raise `exc` again as the test raised it: its own cause and context kept (the report
+    shows them), none added by raising it here (the SystemExit it is handled in)."""
+    cause, context, suppressed = exc.__cause__, exc.__context__, exc.__suppress_context__
+    try:
+        raise exc
+    finally:
+        exc.__cause__, exc.__context__ = cause, context
+        exc.__suppress_context__ = suppressed
 
 
 @contextlib.contextmanager

@@ -39,6 +39,33 @@ def forget_failed_init() -> None:
 # holds them (and their sockets, which a peer waiting on this rank would see close).
 _destroyed: list[weakref.ref[Any]] = []
 _RELEASE_THREAD = "harness-group-release"
+# Every group made on this rank since the current test began (its fixtures too), weakly:
+# one the test destroyed itself (DTensorTestBase's with_comms does, when the test raises)
+# may still be held, by a device mesh say, and keep its sockets open as well.
+_made: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def watch_made_groups() -> None:
+    """Note each process group made on this rank from now on (once per rank process): every
+    group, the default one and new_group's, is made by one function of torch's."""
+    c10d: Any = dist.distributed_c10d
+    original = getattr(c10d, "_new_process_group_helper", None)
+    if original is None or getattr(original, "_harness_watches", False):
+        return
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        made = original(*args, **kwargs)
+        with contextlib.suppress(Exception):  # not a group (a rank outside it): nothing
+            _made.add(made[0])
+        return made
+
+    noting._harness_watches = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = noting
+
+
+def test_begins() -> None:
+    """The groups made from here on are the test's own."""
+    _made.clear()
 
 
 def destroy_all() -> None:
@@ -72,20 +99,28 @@ def _hand_over(groups: list[Any]) -> None:
         threading.Thread(target=_free, args=(box,), name=_RELEASE_THREAD, daemon=True).start()
 
 
-def still_held(bound_s: float) -> bool:
+def still_held(bound_s: float, strict: bool = False) -> bool:
     """Whether a group destroy_all destroyed last is still alive once garbage cycles are
     collected (an FSDP model's, a traceback's frames) and the release threads are done
-    (waited for at most `bound_s`): held by something this rank cannot drop."""
+    (waited for at most `bound_s`): held by something this rank cannot drop. A release
+    thread still freeing at the bound (a loaded machine) means nothing holds it, unless
+    `strict`: then the group, and any port its store listens on, is still there."""
     deadline = time.monotonic() + bound_s
     for thread in threading.enumerate():  # freeing takes about 20 ms a group
         if thread.name == _RELEASE_THREAD:
             thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():  # still freeing (a loaded machine): nothing holds it
-                return False
-    if not any(ref() is not None for ref in _destroyed):
+            if thread.is_alive():
+                return strict
+    if not _any_alive():
         return False
     gc.collect()  # tenths of a second with torch loaded: only for a group still alive
-    return any(ref() is not None for ref in _destroyed)
+    return _any_alive()
+
+
+def _any_alive() -> bool:
+    """Whether a group destroy_all destroyed, or one the test made, is still alive (every
+    group is torn down when this is asked)."""
+    return any(ref() is not None for ref in _destroyed) or len(_made) > 0
 
 
 def _free(box: list[Any]) -> None:

@@ -203,6 +203,12 @@ def keep(run_key: str) -> str | None:
     return _current.id
 
 
+def test_made_default_group() -> bool:
+    """Whether the default group is one the test set up itself, not the harness's: its
+    store may listen on a port (env://, tcp://) that the next test asks for again."""
+    return dist.is_initialized() and (_current is None or _default() is not _current.pg)
+
+
 def kept_after(run_key: str) -> bool:
     """Whether this rank still holds the group it kept after run `run_key`."""
     return _current is not None and _current.kept_after == run_key

@@ -108,6 +108,9 @@ class RankOutcome:
     origin_rank: int | None = None  # the rank a library error says this failure came from
     warnings: list[RankWarning] = field(default_factory=list)
     kept_group: str | None = None  # the group this rank kept for the next test, if any
+    # A group the test set up itself was torn down: this rank says whether it stays
+    # (Kind.SETTLED), as it ends if something still holds the group (and its store's port).
+    settles: bool = False
     # On that group since it was made: (sent, received) point-to-point messages by peer
     # and tag; None when a receive from any source hides who sent what.
     point_to_point: Messages | None = ((), ())

@@ -522,7 +522,7 @@ class _Run:
         if message.kind is not Kind.RESULT or outcome.key != self.key:
             return  # a late answer to an earlier run is never credited to this one
         self._record(outcome)
-        if outcome.ending is not Ending.RETURNED:
+        if outcome.ending is not Ending.RETURNED or outcome.settles:
             self._to_settle.add(outcome.rank)  # it checks its torn-down group, then says
 
     def _record_death(self, slot: _Slot) -> None:

@@ -3,8 +3,9 @@
 Runs inside ranks only (imports torch). The worker takes a :class:`Baseline` once it is set
 up and restores it after every test: the standard streams and file descriptors 0-2 (a test
 may close or replace them; a later socket would then take fd 1 and a print would write into
-it), signal handlers and pending alarms (interval timers), torch's default dtype and thread
-count, and the CUDA device. The
+it), signal handlers and pending alarms (interval timers), torch's default dtype, device and
+thread count, its print options, anomaly detection, matmul precision and cuDNN flags, and
+the CUDA device. The
 working directory, ``sys.path`` and the environment are set afresh from each run's task.
 """
 
@@ -28,6 +29,7 @@ getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal
 _distributed: Any = torch.distributed  # its debug-level functions are not in torch's stubs
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 _TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+_PRINT_OPTIONS: Any = torch._tensor_str.PRINT_OPTS  # what torch.set_printoptions sets
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,37 @@ class Baseline:
     grad: bool  # torch.is_grad_enabled()
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
     debug_level: Any  # torch.distributed's: DETAIL on one rank would wrap its next groups only
+    torch_modes: tuple[Any, ...]  # the process-wide settings of _torch_modes
+
+
+def _torch_modes() -> tuple[Any, ...]:
+    """torch's process-wide settings a test may change and a new process would not have:
+    the default device (torch.set_default_device), print options, anomaly detection,
+    float32 matmul precision and the cuDNN flags. About 2 us."""
+    cudnn: Any = torch.backends.cudnn
+    return (
+        getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+        tuple(vars(_PRINT_OPTIONS).items()),
+        (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        torch.get_float32_matmul_precision(),
+        (cudnn.benchmark, cudnn.deterministic),
+    )
+
+
+def _restore_torch_modes(base: tuple[Any, ...]) -> None:
+    device, printing, anomaly, precision, (benchmark, deterministic) = base
+    now = _torch_modes()
+    if now[0] is not device:  # the rank starts with none: set_default_device(None) ends one
+        torch.set_default_device(None if device is None else device.device)
+    if now[1] != printing:
+        vars(_PRINT_OPTIONS).update(dict(printing))
+    if now[2] != anomaly:
+        torch.set_anomaly_enabled(*anomaly)
+    if now[3] != precision:
+        torch.set_float32_matmul_precision(precision)
+    if now[4] != (benchmark, deterministic):  # torch's test utilities forbid setting them
+        cudnn: Any = torch.backends.cudnn
+        cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
 
 
 def open_streams() -> tuple[Any, Any]:
@@ -65,6 +98,7 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         grad=torch.is_grad_enabled(),
         deterministic=_deterministic(),
         debug_level=_distributed.get_debug_level(),
+        torch_modes=_torch_modes(),
     )
 
 
@@ -94,6 +128,7 @@ def restore(base: Baseline, cuda_device: int | None) -> None:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     if _distributed.get_debug_level() != base.debug_level:
         _distributed.set_debug_level(base.debug_level)
+    _restore_torch_modes(base.torch_modes)
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
     for timer in _TIMERS:  # an alarm the test set would go off in a later test

@@ -97,6 +97,7 @@ def main(conn: Any, files: RankFiles) -> None:
     where = _WhereBoard(str(files.where))
     where.install()
     kept_group.watch_operations()
+    group_release.watch_made_groups()
     rank_stdin.install(lambda: _serving_rank)
     global _baseline, _worker_pid
     _worker_pid = os.getpid()
@@ -119,22 +120,23 @@ def main(conn: Any, files: RankFiles) -> None:
         _end_if_a_forked_copy(None)  # one made in a fixture's teardown, say: it never reports
         _flush()
         conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
-        if outcome.ending is not Ending.RETURNED:
-            _settle(conn, outcome.key, check=True)
+        if outcome.ending is not Ending.RETURNED or outcome.settles:
+            _settle(conn, outcome.key, check=True, strict=outcome.settles)
 
 
 RELEASE_BOUND_S = 1.0
 
 
-def _settle(conn: Any, key: str, check: bool) -> None:
+def _settle(conn: Any, key: str, check: bool, strict: bool = False) -> None:
     """After a group was torn down because a test failed or a peer lags: a group something
     still holds (an FSDP model's mesh, say) keeps its sockets open, and a peer waiting on
     this rank would wait until its timeout instead of failing at once. The rank then ends:
     the kernel closes them. Either way it tells the pytest side first, which waits for this
     before the next run (a rank ending once that run is sent would fail it) and replaces a
     rank that ends. Only after the result is sent: collecting garbage takes tenths of a
-    second."""
-    leaving = check and group_release.still_held(RELEASE_BOUND_S)
+    second. `strict` for a group the test set up itself: one still being freed at the
+    bound counts as held (its store may still listen on a port the next test wants)."""
+    leaving = check and group_release.still_held(RELEASE_BOUND_S, strict)
     with contextlib.suppress(OSError):
         conn.send(Message(Kind.SETTLED, Settled(key, leaving)))
     if leaving:
@@ -318,6 +320,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     """How the task ended here, and the environment it started with (None: not set yet)."""
     test_env: environment.Snapshot | None = None
     kept: str | None = None
+    outcome: RankOutcome | None = None
     try:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
@@ -357,6 +360,10 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     finally:
         if kept is None:
             _teardown_group()
+        global _torn_down_test_group
+        if outcome is not None and _torn_down_test_group:
+            outcome.settles = True
+        _torn_down_test_group = False
 
 
 _real_xfail = _pytest.outcomes.xfail  # pytest.xfail itself may be a forked session's no-op
@@ -546,10 +553,17 @@ def _launch_env(task: RunTask) -> dict[str, str]:
     )
 
 
+# Whether the test's run tore down a default group the test had set up itself.
+_torn_down_test_group = False
+
+
 def _teardown_group() -> None:
-    kept_group.forget()
+    global _torn_down_test_group
     if not dist.is_available():
+        kept_group.forget()
         return
+    _torn_down_test_group |= kept_group.test_made_default_group()
+    kept_group.forget()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             group_release.destroy_all()
@@ -584,6 +598,7 @@ def _run_target(
     info = made.get("request")
     fixtures = RankFixtures(task.rank, info if isinstance(info, RequestInfo) else None)
     fixtures.bind(fn)
+    group_release.test_begins()  # groups made from here on are the test's (fixtures too)
     try:
         made.update(_rank_side_values(task, made))
         made.update(fixtures.make(made))

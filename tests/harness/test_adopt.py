@@ -194,6 +194,50 @@ def test_torchs_own_subclasses_are_adopted(inner: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*not adopted*")
 
 
+# Found by an adversarial pass over adopted suites: with_comms destroys the group when the
+# test raises, but the mesh (in the traceback's frames, and torch's mesh caches) still held
+# it, its sockets stayed open, and rank 0 waited in destroy_pg's barrier until the failure
+# grace killed it (5 s, against 2.6 s for the whole test under torch).
+DTENSOR_FAILS_ON_RANK_1 = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+
+
+class TestDTensorFails(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_rank_1_disagrees(self):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        full = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]).full_tensor()
+        if self.rank == 1:
+            self.assertEqual(full.sum().item(), 0.0)
+
+    @with_comms
+    def test_after(self):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        assert distribute_tensor(torch.ones(4), mesh, [Shard(0)]).to_local().numel() == 2
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_rank_that_still_holds_a_group_it_destroyed_frees_its_peers(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("_HARNESS_TEST_FAILURE_GRACE_S", "3")
+    inner.makepyfile(test_dtensor_fails=DTENSOR_FAILS_ON_RANK_1)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "rank 1 failed: raised AssertionError" in text, text
+    assert "after a peer failed; killed" not in text, text  # its peer failed as soon as it did
+    result.stdout.fnmatch_lines(["*rank 0 (pid *): raised * [[]collateral[]]*"])
+
+
 @pytest.mark.slow
 def test_without_the_option_a_rank_exit_passes_as_under_torch(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_cases=PROCESS_CASES)
@@ -337,6 +381,80 @@ def test_continuous_cases_run_one_by_one_and_a_failure_poisons_nothing(
             "SKIPPED * CUDA is not available.",
         ]
     )
+
+
+# Found by an adversarial pass over adopted suites: the rank's traceback ended at the
+# RuntimeError; its cause (JSONDecodeError) and torch's "direct cause" line were lost.
+CHAINED_ERRORS = """
+import json
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    MultiProcessTestCase,
+)
+
+
+def load_config(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RuntimeError("the config for this rank is invalid") from e
+
+
+def read_or_fail(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise KeyError("no config at all")
+
+
+class TestChainedErrors(MultiProcessTestCase):
+    world_size = 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_explicit_cause(self):
+        if self.rank == 1:
+            load_config("{not json")
+
+    def test_implicit_context(self):
+        if self.rank == 1:
+            read_or_fail("{not json")
+
+
+class TestChainedErrorsContinuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    def test_explicit_cause(self):
+        if self.rank == 1:
+            load_config("{not json")
+"""
+
+
+@pytest.mark.slow
+def test_an_adopted_tests_exception_keeps_its_chain(inner: pytest.Pytester) -> None:
+    inner.makepyfile(test_chained=CHAINED_ERRORS)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(failed=3)
+    text = result.stdout.str()
+
+    def rank_1s_traceback(test: str) -> str:  # not torch's own log of it, in its stderr
+        failure = text.split(f"{test} _")[1]
+        return failure.split("======== rank 1 (pid")[1].split("-- rank 1 captured")[0]
+
+    for test in ("TestChainedErrors", "TestChainedErrorsContinuous"):
+        shown = rank_1s_traceback(f"{test}.test_explicit_cause")
+        assert "JSONDecodeError: Expecting property name" in shown, shown
+        assert "direct cause of the following exception" in shown, shown
+        assert "adopt_rank.py" not in shown, shown  # the harness's frames are not the test's
+    shown = rank_1s_traceback("TestChainedErrors.test_implicit_context")
+    assert "JSONDecodeError" in shown and "During handling of the above" in shown, shown
+    assert "KeyError: 'no config at all" in shown, shown
 
 
 CONTINUOUS_WITHOUT_COLLECTIVES = """
@@ -495,6 +613,40 @@ def test_spawn_and_pool_keep_their_callers_assertions(inner: pytest.Pytester) ->
     inner.makepyfile(test_launchers=SPAWN_AND_POOL)
     result = inner.runpytest("-p", "harness", "-v")
     result.assert_outcomes(passed=6)
+
+
+# Found by an adversarial pass over adopted suites: a test that left its group (as FSDPTest
+# does) set up with env:// on the class's MASTER_PORT failed the next test, 3 runs in 5: the
+# group was freed on a thread, and its store still listened on the port when the next began.
+GROUP_LEFT_ON_A_PORT = """
+import os, socket, harness, torch.distributed as dist
+
+
+def joins_on_the_port_and_leaves_its_group(i, port):
+    if i == 0:  # the port the last run's store listened on is free again
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method="env://", rank=i, world_size=2)
+    dist.barrier()  # no destroy: under torch the process ends here, and its port with it
+
+
+def test_each_run_finds_the_port_free():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for _ in range(3):
+        harness.spawn(joins_on_the_port_and_leaves_its_group, args=(port,), nprocs=2)
+"""
+
+
+def test_a_group_a_run_leaves_on_a_port_is_gone_before_the_next_run(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(test_port=GROUP_LEFT_ON_A_PORT)
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(passed=1)
 
 
 # Found by an adversarial pass over suites written for mp.spawn: each passed (a false green).

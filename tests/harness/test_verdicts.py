@@ -424,6 +424,27 @@ BREAKS_THEN_CHECKS = {
         "torch.use_deterministic_algorithms(True, warn_only=True)",
         "assert not torch.are_deterministic_algorithms_enabled()",
     ),
+    # Found by an adversarial pass over adopted suites: each failed the next test.
+    "default-device": (
+        "torch.set_default_device('meta')",
+        "assert torch.ones(1).device.type == 'cpu'",
+    ),
+    "print-options": (
+        "torch.set_printoptions(precision=1, linewidth=20)",
+        "assert str(torch.tensor([0.12345])) == 'tensor([0.1235])'",
+    ),
+    "anomaly-mode": (
+        "torch.autograd.set_detect_anomaly(True, check_nan=False)",
+        "assert not torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()",
+    ),
+    "matmul-precision": (
+        "torch.set_float32_matmul_precision('medium')",
+        "assert torch.get_float32_matmul_precision() == 'highest'",
+    ),
+    "cudnn-flags": (
+        "torch.backends.cudnn.benchmark = True; torch.backends.cudnn.deterministic = True",
+        "assert not torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic",
+    ),
 }
 
 
