@@ -180,9 +180,12 @@ class LaunchedSession:
         return found
 
     def ended_early(self, text: str, code: int) -> None:
-        """This rank's session ends before its tests did (pytest.exit, KeyboardInterrupt)."""
+        """This rank's session ends before its tests did (pytest.exit, KeyboardInterrupt):
+        say why, leave the group (a peer blocked in a collective on this rank fails at
+        once), and move past every test (a peer waiting for this rank's word stops)."""
         self.put(f"exit/{self.rank}", json.dumps({"text": text, "code": code}))
-        self.at(2 * max(len(self.collected), self.index + 1))  # past every test: none waits
+        self.drop_group()
+        self.at(2 * max(len(self.collected), self.index + 1))
 
     def _follow_an_exit(self) -> None:
         assert self.peers is not None
@@ -213,10 +216,10 @@ class LaunchedSession:
         said = {"tests": self.collected, "errors": _collection_errors(self.config)}
         found = self.gather("collected", json.dumps(said), AGREE_S)
         mine = self.collected
-        differences, errors = [], []
+        differences, errors, unfinished = [], [], []
         for r, blob in enumerate(found):
             if blob is None:
-                differences.append(f"rank {r} did not finish collecting: {self.absent[r]}")
+                unfinished.append(f"rank {r} did not finish collecting: {self.absent[r]}")
                 continue
             theirs = json.loads(blob)
             said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
@@ -231,6 +234,12 @@ class LaunchedSession:
                 f"harness: {len(errors)} collection error(s) on the launched ranks; every rank "
                 f"stops, as pytest stops for one (make the test files import alike on every "
                 f"node):\n" + "\n".join(errors),
+            )
+        if unfinished:
+            end_session(
+                self,
+                f"harness: {'; '.join(unfinished)}. It ended or hung while collecting, before "
+                f"any test ran: its own output (stderr) and the launcher's summary say why",
             )
         if differences:
             end_session(

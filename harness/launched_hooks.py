@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _pytest.outcomes import Exit
 
 from harness import runner
 from harness.launch_detect import Launch
@@ -73,6 +75,10 @@ def collection_finish(session: pytest.Session, specs: Sequence[RankSpec]) -> Non
     launched = _session(session.config)
     if launched is None:
         return
+    stopping = sys.exc_info()[1]  # pytest reports the collection on its way out too
+    if isinstance(stopping, (KeyboardInterrupt, Exit)):
+        ended_early(stopping)  # a conftest hook ended the session here: the peers follow
+        return
     from harness.launched import GROUP_TIMEOUT_MARGIN_S
 
     longest = max((spec.timeout_s for spec in specs), default=0.0)
@@ -95,6 +101,9 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
         launched.peers.silent_elsewhere_s = max(launched.peers.silent_elsewhere_s, spec.timeout_s)
     try:
         result = yield
+    except (KeyboardInterrupt, Exit) as exc:
+        ended_early(exc)  # the session ends here: no set-up to agree on, the peers follow
+        raise
     except BaseException as exc:
         launched_test.agree_on_set_up(item, launched, spec, exc)
         raise
@@ -168,7 +177,8 @@ def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     # pytest-timeout off while this rank waits: a slow peer's own timer fails its own test,
     # and this rank then reports it (not a timeout in the harness's wait).
     with runner.pytest_timeout_paused(item):
-        found = _gather_releasing_peers(launched, report, json.dumps(mine))
+        key = f"{launched.test_key()}/plain"
+        found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     if launched.absent:
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
         launched.lost.update(launched.absent)
@@ -220,10 +230,11 @@ RELEASE_CHECK_S = 1.0
 
 
 def _gather_releasing_peers(
-    launched: LaunchedSession, report: pytest.TestReport, mine: str
+    launched: LaunchedSession, key: str, failed: bool, mine: str
 ) -> list[bytes | None]:
-    key = f"{launched.test_key()}/plain"
-    if not report.failed:
+    """Every rank's `mine` under `key`; where this rank `failed`, a peer still blocked in
+    torch.distributed (on this rank, most likely) is released by leaving the group."""
+    if not failed:
         return launched.gather(key, mine, PLAIN_WAIT_S)
     assert launched.peers is not None
     peers, start = launched.peers, time.monotonic()
@@ -270,7 +281,8 @@ def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
     lost_before = set(launched.lost) | {launched.rank}
     with runner.pytest_timeout_paused(item):  # as for the verdict: a slow peer times itself
-        found = launched.gather(f"{launched.test_key()}/teardown", json.dumps(mine), PLAIN_WAIT_S)
+        key = f"{launched.test_key()}/teardown"
+        found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     gone = {r: why for r, why in launched.absent.items() if r not in lost_before}
     if gone:  # a rank that died in its teardown (even with status 0), or hangs there
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
@@ -289,6 +301,15 @@ def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
         report.longrepr = (
             f"rank {rank}'s teardown failed (it did not fail on rank {launched.rank}):\n{text}"
         )
+    elif report.failed and report_looks_collateral(report.longreprtext):
+        causes = [(r, text) for r, text in failed if not report_looks_collateral(text)]
+        if causes:  # this rank's teardown failed because a peer's did: show the peer's
+            rank, text = causes[0]
+            here = _error_line(report.longreprtext)
+            report.longrepr = (
+                f"rank {rank}'s teardown failed (root cause); rank {launched.rank} "
+                f"collateral ({here}):\n{text}"
+            )
 
 
 def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any]]) -> None:

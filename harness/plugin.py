@@ -59,6 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
         launched_hooks.configure(config, launch)
 
 
+@pytest.hookimpl(tryfirst=True)  # before a conftest's: a pytest.exit() there reaches the peers
 def pytest_sessionstart(session: pytest.Session) -> None:
     launched_hooks.session_start(session)
 

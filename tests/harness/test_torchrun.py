@@ -328,6 +328,26 @@ def test_b():
     assert result.exit_codes() == [2, 2], out
 
 
+@pytest.mark.slow
+def test_a_rank_that_ends_while_collecting_is_not_said_to_collect_other_tests(
+    pytester: pytest.Pytester,
+) -> None:
+    """Found by an adversarial pass: os._exit() at import on rank 1 was reported as the
+    ranks collecting different tests, with advice to make collection node-independent."""
+    source = """
+if os.environ["RANK"] == "1":
+    os._exit(0)
+
+def test_b():
+    pass
+"""
+    result = torchrun(write(pytester, test_ends_on_import=source), 2)
+    out = result.output
+    assert "collected different tests" not in out, out
+    assert "rank 1 did not finish collecting" in out and "its process ended" in out, out
+    assert 2 in result.exit_codes(), out
+
+
 # ---- detection, in this process -----------------------------------------------------------
 
 TORCHRUN = {
@@ -1105,7 +1125,7 @@ def test_a_stops_the_session():
         pytest.exit("enough for today", returncode=3)
 """
 EXIT_IN_A_SET_UP = """
-@pytest.fixture
+@pytest.fixture(scope="module")
 def stops_on_rank_1():
     if os.environ["RANK"] == "1":
         pytest.exit("enough for today", returncode=3)
@@ -1114,24 +1134,124 @@ def stops_on_rank_1():
 def test_a_stops_the_session(rank, stops_on_rank_1):
     dist.barrier()
 """
+# Found by an adversarial pass: with the peer blocked in a collective on the group a session
+# fixture set up, it waited there until the launch was killed.
+SESSION_GROUP = """
+import pytest, torch.distributed as dist
+
+@pytest.fixture(scope="session")
+def pg():
+    dist.init_process_group("gloo")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+"""
+EXIT_WHILE_THE_PEER_WAITS = """
+def test_a_stops_the_session(pg):
+    if os.environ["RANK"] == "1":
+        pytest.exit("enough for today", returncode=3)
+    dist.all_reduce(torch.ones(1))
+"""
+INTERRUPT_WHILE_THE_PEER_WAITS = """
+def test_a_stops_the_session(pg):
+    if os.environ["RANK"] == "1":
+        raise KeyboardInterrupt
+    dist.all_reduce(torch.ones(1))
+"""
+# Found by an adversarial pass: reported as a collection error (status 2), as different
+# backends, and the words and status lost.
+EXIT_WHILE_COLLECTING = """
+import os, pytest
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ["RANK"] == "1":
+        pytest.exit("enough for today", returncode=3)
+"""
+EXIT_AT_THE_SESSIONS_START = """
+import os, pytest
+
+def pytest_sessionstart(session):
+    if os.environ["RANK"] == "1":
+        pytest.exit("enough for today", returncode=3)
+"""
+A_TEST = """
+def test_a(pg=None):
+    pass
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "source",
-    [EXIT_IN_A_RANKS_BODY, EXIT_IN_A_PLAIN_TEST, EXIT_IN_A_SET_UP],
-    ids=["ranks-body", "plain-test", "set-up"],
+    ("conftest", "source", "said", "status"),
+    [
+        ("", EXIT_IN_A_RANKS_BODY, "enough for today", 3),
+        ("", EXIT_IN_A_PLAIN_TEST, "enough for today", 3),
+        ("", EXIT_IN_A_SET_UP, "enough for today", 3),
+        (SESSION_GROUP, EXIT_WHILE_THE_PEER_WAITS, "enough for today", 3),
+        (SESSION_GROUP, INTERRUPT_WHILE_THE_PEER_WAITS, "KeyboardInterrupt", 2),
+        (EXIT_WHILE_COLLECTING, A_TEST, "enough for today", 3),
+        (EXIT_AT_THE_SESSIONS_START, A_TEST, "enough for today", 3),
+    ],
+    ids=[
+        "ranks-body",
+        "plain-test",
+        "set-up",
+        "peer-in-a-collective",
+        "keyboard-interrupt",
+        "collection-hook",
+        "session-start-hook",
+    ],
 )
 def test_pytest_exit_on_one_rank_ends_the_session_on_every_rank(
-    pytester: pytest.Pytester, source: str
+    pytester: pytest.Pytester, conftest: str, source: str, said: str, status: int
 ) -> None:
     """pytest.exit() on rank 1 alone ended rank 1's session only: rank 0 waited for it until
     the test's timeout (in a plain test, the 600 s wait for its peers) and reported it as
     gone or hung, and the reason was lost."""
+    if conftest:
+        pytester.makeconftest(conftest)
     source += "\ndef test_b_never_runs():\n    pass\n"
-    result = torchrun(write(pytester, test_exit=source), 2, "--rank-timeout", "120")
+    result = torchrun(
+        write(pytester, test_exit=source), 2, "--rank-timeout", "120", timeout=LAUNCH_TIMEOUT_S
+    )
     out = result.output
-    assert "Exit: [rank 1] enough for today" in out, out
-    assert "test_b_never_runs" not in junit_cases(result.junit), out
+    assert f"Exit: [rank 1] {said}" in out, out
+    ended = [name for name in junit_cases(result.junit) if name]  # pytest leaves one unnamed
+    assert ended == [], out  # no test ended: the session stopped in one, as pytest stops
     assert "gone" not in out and "hung" not in out and "out of step" not in out, out
-    assert result.exit_codes() and set(result.exit_codes()) == {3}, out
+    assert "collection error" not in out and "different backends" not in out, out
+    assert result.exit_codes() and set(result.exit_codes()) == {status}, out
+
+
+TEARDOWN_FAILS_WHILE_THE_PEER_WAITS = """
+@pytest.fixture
+def synced(pg):
+    yield
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1's teardown broke")
+    dist.barrier()
+
+def test_a_teardown_fails_on_rank_1(synced):
+    pass
+
+def test_b_after(pg):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_teardown_failing_on_one_rank_frees_a_peer_blocked_in_its_own(
+    pytester: pytest.Pytester,
+) -> None:
+    """Found by an adversarial pass: rank 1's teardown failed while rank 0's waited in a
+    barrier on the session fixture's group; rank 1 did not leave the group (as it does when
+    a body fails), and both waited until the launch was killed, each then blaming the
+    other."""
+    pytester.makeconftest(SESSION_GROUP)
+    result = torchrun(write(pytester, test_teardown=TEARDOWN_FAILS_WHILE_THE_PEER_WAITS), 2)
+    out = result.output
+    cases = junit_cases(result.junit)
+    assert cases == {"test_a_teardown_fails_on_rank_1": "error", "test_b_after": "passed"}, out
+    assert "rank 1's teardown failed" in out and "rank 1's teardown broke" in out, out
+    assert "gone" not in out and "out of step" not in out, out
+    assert result.exit_codes() == [1, 1], out
