@@ -47,32 +47,70 @@ class Baseline:
 
 def _torch_modes() -> tuple[Any, ...]:
     """torch's process-wide settings a test may change and a new process would not have:
-    the default device (torch.set_default_device), print options, anomaly detection,
-    float32 matmul precision and the cuDNN flags. About 2 us."""
+    torch function modes left entered (torch.set_default_device, a `with torch.device()`
+    left open), print options, anomaly detection, float32 precision (the legacy and the
+    per-backend settings) and the cuDNN flags. A few microseconds."""
     cudnn: Any = torch.backends.cudnn
     return (
-        getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+        torch._C._len_torch_function_stack(),
         tuple(vars(_PRINT_OPTIONS).items()),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-        torch.get_float32_matmul_precision(),
-        (cudnn.benchmark, cudnn.deterministic),
+        _legacy_precision(),
+        tuple(_backend_precision(path) for path in _PRECISIONS),
+        (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
     )
 
 
+# torch's per-backend float32 precision settings (torch.backends.<path>.fp32_precision).
+_PRECISIONS: tuple[str, ...] = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn")
+_PRECISIONS += ("mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _backend_precision(path: str) -> str | None:
+    holder: Any = torch.backends
+    try:
+        for part in filter(None, path.split(".")):
+            holder = getattr(holder, part)
+        return str(holder.fp32_precision)
+    except Exception:  # this torch has no such setting
+        return None
+
+
+def _legacy_precision() -> str | None:
+    try:  # raises once legacy and per-backend settings were mixed
+        return torch.get_float32_matmul_precision()
+    except Exception:
+        return None
+
+
+def _set_backend_precisions(values: tuple[str | None, ...]) -> None:
+    for path, value in zip(_PRECISIONS, values, strict=True):
+        if value is not None and _backend_precision(path) != value:
+            holder: Any = torch.backends
+            for part in filter(None, path.split(".")):
+                holder = getattr(holder, part)
+            holder.fp32_precision = value
+
+
 def _restore_torch_modes(base: tuple[Any, ...]) -> None:
-    device, printing, anomaly, precision, (benchmark, deterministic) = base
+    modes, printing, anomaly, legacy, precisions, flags = base
     now = _torch_modes()
-    if now[0] is not device:  # the rank starts with none: set_default_device(None) ends one
-        torch.set_default_device(None if device is None else device.device)
+    if now[0] > modes:  # modes the test entered and left on: a new process has none
+        while torch._C._len_torch_function_stack() > modes:
+            torch._C._pop_torch_function_stack()
+        torch._GLOBAL_DEVICE_CONTEXT.device_context = None  # its mode is popped
     if now[1] != printing:
         vars(_PRINT_OPTIONS).update(dict(printing))
     if now[2] != anomaly:
         torch.set_anomaly_enabled(*anomaly)
-    if now[3] != precision:
-        torch.set_float32_matmul_precision(precision)
-    if now[4] != (benchmark, deterministic):  # torch's test utilities forbid setting them
+    if now[3:5] != (legacy, precisions):
+        _set_backend_precisions(precisions)  # first: the legacy getter raises while mixed
+        if legacy is not None and _legacy_precision() != legacy:
+            torch.set_float32_matmul_precision(legacy)
+            _set_backend_precisions(precisions)  # the legacy setter writes them too
+    if now[5] != flags:  # torch's test utilities forbid setting them (then never changed)
         cudnn: Any = torch.backends.cudnn
-        cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = flags
 
 
 def open_streams() -> tuple[Any, Any]:

@@ -441,6 +441,20 @@ BREAKS_THEN_CHECKS = {
         "torch.set_float32_matmul_precision('medium')",
         "assert torch.get_float32_matmul_precision() == 'highest'",
     ),
+    "matmul-precision-per-backend": (
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'; "
+        "torch.backends.mkldnn.matmul.fp32_precision = 'bf16'",
+        "assert torch.backends.cuda.matmul.fp32_precision == 'none'; "
+        "assert torch.get_float32_matmul_precision() == 'highest'",
+    ),
+    "device-context-left-open": (
+        "torch.device('meta').__enter__()",
+        "assert torch.empty(1).device.type == 'cpu'",
+    ),
+    "cudnn-enabled": (
+        "torch.backends.cudnn.enabled = False; torch.backends.cudnn.allow_tf32 = False",
+        "assert torch.backends.cudnn.enabled and torch.backends.cudnn.allow_tf32",
+    ),
     "cudnn-flags": (
         "torch.backends.cudnn.benchmark = True; torch.backends.cudnn.deterministic = True",
         "assert not torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic",
@@ -584,6 +598,7 @@ def test_a_warm_rank_is_restored_for_the_next_test(inner: pytest.Pytester, what:
     )
     result = inner.runpytest("-p", "harness", "-v", "-rP")
     result.stdout.fnmatch_lines(["*test_a_breaks* PASSED*", "*test_b_is_clean* PASSED*"])
+    result.assert_outcomes(passed=2)  # and no error at test_a's teardown: it was undone
     if what == "fds":  # what the next test writes to fd 1 is captured, not lost
         result.stdout.fnmatch_lines(["*Captured stdout [[]rank 0[]] call*", "fd 1 reaches*"])
 
