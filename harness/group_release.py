@@ -63,6 +63,11 @@ def watch_made_groups() -> None:
     c10d._new_process_group_helper = noting
 
 
+def made_alive() -> bool:
+    """Whether a group made since the test began is still alive (or not yet freed)."""
+    return len(_made) > 0
+
+
 def test_begins() -> None:
     """The groups made from here on are the test's own."""
     _made.clear()

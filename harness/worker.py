@@ -361,7 +361,12 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         if kept is None:
             _teardown_group()
         global _torn_down_test_group
-        if outcome is not None and _torn_down_test_group:
+        # Groups a spawned or launched run made on its own store stay alive if something
+        # holds them (a subgroup in a module's cache), and with them the port it listens on.
+        own_store = task.spec.bare or task.launch_port is not None
+        if outcome is not None and (
+            _torn_down_test_group or (own_store and group_release.made_alive())
+        ):
             outcome.settles = True
         _torn_down_test_group = False
 

@@ -7,7 +7,9 @@ values cost what torch's object collectives cost. Anything else (tensors, tuples
 keys) is torch.save bytes and counts as sendable only if it loads back with
 ``weights_only=True`` on the rank that produced it, so a value the receivers could not load
 fails where it was made, before any rank waits for it. Loading never runs arbitrary code.
-A tensor that is a view of part of a larger storage travels as a copy of that part alone.
+A view of part of a larger storage travels as a copy of its own elements when that is
+smaller (one row of a large tensor); views that overlap, or go with their whole storage,
+share it on arrival as torch.save keeps them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import io
 import json
 import pickle
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,14 +50,15 @@ def encode(value: Any, what: str) -> bytes:
                 f"it as hex(n) and read it back with int(text, 16)"
             ) from None
         return _JSON + text.encode()
-    if _holds_meta_tensor(value, set()):
+    tensors = list(_tensors_in(value, set()))
+    if any(t.is_meta for t in tensors):
         raise WireError(
             f"{what}: a tensor on the meta device has no data to send; materialize it first "
             f"(load its weights, or to_empty()), or send its shape and dtype instead"
         )
     buffer = io.BytesIO()
     try:
-        torch.save(value, buffer, pickle_module=_CompactPickling)
+        torch.save(value, buffer, pickle_module=_compacting(_worth_compacting(tensors)))
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} cannot be saved with "
@@ -71,30 +75,53 @@ def encode(value: Any, what: str) -> bytes:
     return data
 
 
-class _CompactPickler(pickle.Pickler):
-    """Saves a tensor that uses part of its storage (a row, a slice) as a copy of that part:
-    torch.save keeps a view's whole storage, so one row of a large tensor would send it all."""
+def _worth_compacting(tensors: list[torch.Tensor]) -> set[int]:
+    """The storages (by address) whose tensors here should travel as copies of their own
+    elements: torch.save keeps a view's whole storage, so one row of a large tensor would
+    send it all. Only where the copies are smaller than the storage, and no tensor here uses
+    all of it: overlapping views of one storage travel with it once, sharing it as before."""
+    used: dict[int, int] = {}  # the bytes the tensors of each storage use, added up
+    whole: set[int] = set()
+    sizes: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        own = tensor.numel() * tensor.element_size()
+        sizes[key] = size
+        used[key] = used.get(key, 0) + own
+        if own >= size:
+            whole.add(key)
+    return {key for key, size in sizes.items() if key not in whole and used[key] < size}
 
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and _uses_part_of_its_storage(obj):
-            copy = obj.detach().clone()
-            copy.requires_grad_(obj.requires_grad)
-            copy.__dict__.update(obj.__dict__)  # attributes set on the tensor travel too
-            return copy.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)  # type: ignore[no-untyped-call]
-        return NotImplemented
+
+def _compacting(storages: set[int]) -> Any:
+    """What torch.save needs of a pickle module, with a pickler that saves each tensor of
+    `storages` as a copy of its own elements (plain pickle where there is none)."""
+    if not storages:
+        return pickle
+
+    class CompactPickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is torch.Tensor and _compacted(obj, storages):
+                copy = obj.detach().clone()
+                copy.requires_grad_(obj.requires_grad)
+                copy.__dict__.update(obj.__dict__)  # attributes set on the tensor travel too
+                return copy.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)  # type: ignore[no-untyped-call]
+            return NotImplemented
+
+    class Compacting:
+        Pickler = CompactPickler
+        Unpickler = pickle.Unpickler
+
+    return Compacting
 
 
-class _CompactPickling:
-    """What torch.save needs of a pickle module, with the compacting pickler."""
-
-    Pickler = _CompactPickler
-    Unpickler = pickle.Unpickler
-
-
-def _uses_part_of_its_storage(tensor: torch.Tensor) -> bool:
+def _compacted(tensor: torch.Tensor, storages: set[int]) -> bool:
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
         return False
-    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    return tensor.untyped_storage().data_ptr() in storages
 
 
 def refusal(exc: BaseException) -> str:
@@ -123,13 +150,13 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
-def _holds_meta_tensor(value: Any, seen: set[int]) -> bool:
-    """Whether a meta tensor is in `value` (containers and objects' attributes, each looked
-    at once): torch.save keeps it as one, and it would load on the other side without data."""
+def _tensors_in(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
+    """The tensors in `value`: in containers and objects' attributes, each looked at once."""
     if isinstance(value, torch.Tensor):
-        return bool(value.is_meta)
+        yield value
+        return
     if isinstance(value, (str, bytes, int, float)) or id(value) in seen:
-        return False
+        return
     seen.add(id(value))
     if isinstance(value, dict):
         items: Any = [*value.keys(), *value.values()]
@@ -137,7 +164,8 @@ def _holds_meta_tensor(value: Any, seen: set[int]) -> bool:
         items = value
     else:
         items = getattr(value, "__dict__", {}).values()
-    return any(_holds_meta_tensor(item, seen) for item in items)
+    for item in items:
+        yield from _tensors_in(item, seen)
 
 
 def _plain(value: Any, depth: int) -> bool:

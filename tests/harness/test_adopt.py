@@ -632,12 +632,31 @@ def joins_on_the_port_and_leaves_its_group(i, port):
     dist.barrier()  # no destroy: under torch the process ends here, and its port with it
 
 
-def test_each_run_finds_the_port_free():
+KEPT = []
+
+
+def destroys_its_group_but_keeps_a_subgroup(i, port):
+    joins_on_the_port_and_leaves_its_group(i, port)
+    KEPT.append(dist.new_group([0, 1]))  # a module's cache: its store is the port's
+    dist.destroy_process_group()  # the test tidies up, as torch's tests do
+
+
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_each_run_finds_the_port_free():
+    port = free_port()
     for _ in range(3):
         harness.spawn(joins_on_the_port_and_leaves_its_group, args=(port,), nprocs=2)
+
+
+def test_a_subgroup_kept_past_the_run_does_not_keep_the_port():
+    port = free_port()
+    for _ in range(3):
+        harness.spawn(destroys_its_group_but_keeps_a_subgroup, args=(port,), nprocs=2)
 """
 
 
@@ -646,7 +665,7 @@ def test_a_group_a_run_leaves_on_a_port_is_gone_before_the_next_run(
 ) -> None:
     inner.makepyfile(test_port=GROUP_LEFT_ON_A_PORT)
     result = inner.runpytest("-p", "harness")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
 
 
 # Found by an adversarial pass over suites written for mp.spawn: each passed (a false green).

@@ -703,3 +703,24 @@ def test_whole_storages_and_expanded_tensors_travel_as_they_are() -> None:
     assert both[0].stride() == whole.stride() and torch.equal(both[0], whole)
     assert torch.equal(both[1], whole[0]) and both[2].shape == wide.shape
     assert len(_wire.encode(wide, "test")) < 64 * 1024
+
+
+def test_views_that_share_a_small_storage_travel_with_it_once() -> None:
+    """Found by an adversarial pass: each overlapping view was sent as its own copy, 32x the
+    bytes torch.save sends, and views sharing a storage no longer shared it."""
+    import io
+
+    from rankwise import _wire
+
+    base = torch.arange(1500.0)
+    windows = [base[i : i + 500] for i in range(1000)]
+    saved = io.BytesIO()
+    torch.save(windows, saved)
+    data = _wire.encode(windows, "test")
+    assert len(data) <= len(saved.getvalue()) * 1.1, (len(data), len(saved.getvalue()))
+    back = _wire.decode(data)
+    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
+    assert all(torch.equal(b, w) for b, w in zip(back, windows, strict=True))
+    whole, row = _wire.decode(_wire.encode((base, base[3:7]), "test"))  # sent once, shared
+    assert row.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert torch.equal(row, base[3:7])
