@@ -289,8 +289,11 @@ def test_fresh(rank, i):
 @pytest.mark.ranks(2)
 def test_counts_stay_flat(rank):
     fds, tasks = zip(*COUNTS[4:])  # the first tests start the pools' own helpers
-    assert max(fds) - min(fds) <= 12, str(fds)
-    assert max(tasks) - min(tasks) <= 8, str(tasks)
+    # A leak grows by a group's sockets and threads every test (about 100 fds over these
+    # 20); up to three groups still being freed on their threads when a test counts (a
+    # fast machine frees them later than it sets the next up) move the counts too.
+    assert max(fds) - min(fds) <= 30, str(fds)
+    assert max(tasks) - min(tasks) <= 16, str(tasks)
 """
     )
     inner.runpytest("-p", "harness").assert_outcomes(passed=25)
