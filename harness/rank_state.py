@@ -47,12 +47,12 @@ class Baseline:
 
 def _torch_modes() -> tuple[Any, ...]:
     """torch's process-wide settings a test may change and a new process would not have:
-    torch function modes left entered (torch.set_default_device, a `with torch.device()`
-    left open), print options, anomaly detection, float32 precision (the legacy and the
-    per-backend settings) and the cuDNN flags. A few microseconds."""
+    the default device (torch.set_default_device), print options, anomaly detection, float32
+    precision (the legacy and the per-backend settings) and the cuDNN flags. A few
+    microseconds."""
     cudnn: Any = torch.backends.cudnn
     return (
-        torch._C._len_torch_function_stack(),
+        getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
         tuple(vars(_PRINT_OPTIONS).items()),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         _legacy_precision(),
@@ -93,12 +93,10 @@ def _set_backend_precisions(values: tuple[str | None, ...]) -> None:
 
 
 def _restore_torch_modes(base: tuple[Any, ...]) -> None:
-    modes, printing, anomaly, legacy, precisions, flags = base
+    device, printing, anomaly, legacy, precisions, flags = base
     now = _torch_modes()
-    if now[0] > modes:  # modes the test entered and left on: a new process has none
-        while torch._C._len_torch_function_stack() > modes:
-            torch._C._pop_torch_function_stack()
-        torch._GLOBAL_DEVICE_CONTEXT.device_context = None  # its mode is popped
+    if now[0] is not device:  # the rank starts with none: set_default_device(None) ends one
+        torch.set_default_device(None if device is None else device.device)
     if now[1] != printing:
         vars(_PRINT_OPTIONS).update(dict(printing))
     if now[2] != anomaly:

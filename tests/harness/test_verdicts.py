@@ -447,10 +447,6 @@ BREAKS_THEN_CHECKS = {
         "assert torch.backends.cuda.matmul.fp32_precision == 'none'; "
         "assert torch.get_float32_matmul_precision() == 'highest'",
     ),
-    "device-context-left-open": (
-        "torch.device('meta').__enter__()",
-        "assert torch.empty(1).device.type == 'cpu'",
-    ),
     "cudnn-enabled": (
         "torch.backends.cudnn.enabled = False; torch.backends.cudnn.allow_tf32 = False",
         "assert torch.backends.cudnn.enabled and torch.backends.cudnn.allow_tf32",
