@@ -66,12 +66,17 @@ _PRECISIONS: tuple[str, ...] = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn
 _PRECISIONS += ("mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
 
 
-def _backend_precision(path: str) -> str | None:
+def _backend(path: str) -> Any:
+    """torch.backends.<path> ("" for torch.backends itself)."""
     holder: Any = torch.backends
+    for part in filter(None, path.split(".")):
+        holder = getattr(holder, part)
+    return holder
+
+
+def _backend_precision(path: str) -> str | None:
     try:
-        for part in filter(None, path.split(".")):
-            holder = getattr(holder, part)
-        return str(holder.fp32_precision)
+        return str(_backend(path).fp32_precision)
     except Exception:  # this torch has no such setting
         return None
 
@@ -86,10 +91,7 @@ def _legacy_precision() -> str | None:
 def _set_backend_precisions(values: tuple[str | None, ...]) -> None:
     for path, value in zip(_PRECISIONS, values, strict=True):
         if value is not None and _backend_precision(path) != value:
-            holder: Any = torch.backends
-            for part in filter(None, path.split(".")):
-                holder = getattr(holder, part)
-            holder.fp32_precision = value
+            _backend(path).fp32_precision = value
 
 
 def _restore_torch_modes(base: tuple[Any, ...]) -> None:

@@ -84,7 +84,7 @@ def _worth_compacting(tensors: list[torch.Tensor]) -> set[int]:
     whole: set[int] = set()
     sizes: dict[int, int] = {}
     for tensor in tensors:
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
+        if not _plain_storage(tensor):
             continue
         storage = tensor.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
@@ -119,9 +119,12 @@ def _compacting(storages: set[int]) -> Any:
 
 
 def _compacted(tensor: torch.Tensor, storages: set[int]) -> bool:
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
-        return False
-    return tensor.untyped_storage().data_ptr() in storages
+    return _plain_storage(tensor) and tensor.untyped_storage().data_ptr() in storages
+
+
+def _plain_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a strided view of a storage that holds its data as it is."""
+    return tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_meta
 
 
 def refusal(exc: BaseException) -> str:
