@@ -399,6 +399,11 @@ def load(data: bytes, what: str) -> Any:
     """Decode bytes another rank sent; a refused payload names who sent it, never runs."""
     try:
         return _wire.decode(data)
+    except json.JSONDecodeError as exc:  # the plain-value form: no torch.load involved
+        raise RuntimeError(
+            f"{what} is not valid JSON ({exc}): it was damaged on the way or not sent by "
+            f"rankwise; nothing in it was run"
+        ) from None
     except Exception as exc:
         raise RuntimeError(
             f"{what} does not load with torch.load(weights_only=True) "

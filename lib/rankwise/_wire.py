@@ -7,18 +7,22 @@ values cost what torch's object collectives cost. Anything else (tensors, tuples
 keys) is torch.save bytes and counts as sendable only if it loads back with
 ``weights_only=True`` on the rank that produced it, so a value the receivers could not load
 fails where it was made, before any rank waits for it. Loading never runs arbitrary code.
-A view of part of a larger storage travels as a copy of its own elements when that is
-smaller (one row of a large tensor); views that overlap, or go with their whole storage,
-share it on arrival as torch.save keeps them.
+Tensors that use only part of their storage (one row of a large tensor) travel over a copy
+of the span they use: views whose spans overlap share one storage on arrival, as torch.save
+keeps them (a column of a matrix travels as a copy of its own elements). Tensor subclasses
+(DTensor) travel as torch.save carries them. The sender's check builds no tensor data: it
+loads onto the meta device.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import pickle
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,58 +62,185 @@ def encode(value: Any, what: str) -> bytes:
         )
     buffer = io.BytesIO()
     try:
-        torch.save(value, buffer, pickle_module=_compacting(_worth_compacting(tensors)))
+        torch.save(value, buffer, pickle_module=_compacting(_Compaction.of(tensors)))
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} cannot be saved with "
             f"torch.save ({type(exc).__name__}: {exc}); {_REGISTER_HINT}"
         ) from exc
     data = buffer.getvalue()
+    del buffer
     try:
-        decode(data)
+        _check_loads(data)
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} does not load back with "
-            f"torch.load(weights_only=True) ({refusal(exc)}); {_REGISTER_HINT}"
+            f"torch.load(weights_only=True) ({refusal(exc)}); {_hint_for(value)}"
         ) from None  # torch's own text advises weights_only=False: never pass that on
     return data
 
 
-def _worth_compacting(tensors: list[torch.Tensor]) -> set[int]:
-    """The storages (by address) whose tensors here should travel as copies of their own
-    elements: torch.save keeps a view's whole storage, so one row of a large tensor would
-    send it all. Only where the copies are smaller than the storage, and no tensor here uses
-    all of it: overlapping views of one storage travel with it once, sharing it as before."""
-    used: dict[int, int] = {}  # the bytes the tensors of each storage use, added up
-    whole: set[int] = set()
-    sizes: dict[int, int] = {}
-    for tensor in tensors:
-        if not _plain_storage(tensor):
-            continue
-        storage = tensor.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        own = tensor.numel() * tensor.element_size()
-        sizes[key] = size
-        used[key] = used.get(key, 0) + own
-        if own >= size:
-            whole.add(key)
-    return {key for key, size in sizes.items() if key not in whole and used[key] < size}
+def _check_loads(data: bytes) -> None:
+    """Raise what torch.load(weights_only=True) would raise for `data`, without building a
+    second copy of every tensor: the storages are made on the meta device, so the check
+    reads the pickle and none of the data. A value that loads only where its data is real
+    (a rebuild function that reads it) gets the full check before it is refused."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+    except Exception:
+        decode(data)
 
 
-def _compacting(storages: set[int]) -> Any:
+def _hint_for(value: Any) -> str:
+    """What to do about a value weights_only refused: for a known container that does not
+    load, what to send instead; else register the class."""
+    for kind, instead in _REPLACEMENTS:
+        if _holds(value, kind, set(), 0):
+            return (
+                f"it holds a {kind.__name__}, which weights_only does not load: send "
+                f"{instead} instead"
+            )
+    return _REGISTER_HINT
+
+
+# Containers that weights_only refuses, and what to send in their place.
+_REPLACEMENTS = (
+    (collections.defaultdict, "a plain dict (dict(value))"),
+    (collections.Counter, "a plain dict (dict(value))"),
+    (collections.deque, "a list (list(value))"),
+)
+
+
+def _holds(value: Any, kind: type, seen: set[int], depth: int) -> bool:
+    if isinstance(value, kind):
+        return True
+    if depth >= _MAX_DEPTH or id(value) in seen or isinstance(value, (str, bytes)):
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        return False
+    return any(_holds(item, kind, seen, depth + 1) for item in items)
+
+
+@dataclass
+class _Compaction:
+    """How the tensors here that use only part of their storage travel: torch.save keeps a
+    view's whole storage, so one row of a large tensor would send all of it.
+
+    Per storage, views whose byte spans overlap form one cluster, which travels over one copy
+    of the span it covers: views that share elements still share a storage on arrival. A
+    view that reads few of the bytes it spans (a column of a matrix) travels as a copy of
+    its own elements instead of stretching its cluster's span over the whole storage. A
+    storage is compacted only where that sends fewer bytes than the storage itself, and only
+    where every tensor of it here is a plain strided tensor (not a parameter, subclass or a
+    conj/neg view, which torch.save rebuilds in ways of its own).
+    """
+
+    spans: dict[int, tuple[int, int]]  # tensor id -> its cluster's (first byte, end byte)
+    own: set[int]  # ids of the tensors that travel as copies of their own elements
+    made: dict[tuple[int, int], torch.UntypedStorage]  # compact storages by (address, first)
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> _Compaction:
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        refused: set[int] = set()
+        for tensor in tensors:
+            address = _storage_address(tensor)
+            if address is None:
+                continue
+            by_storage.setdefault(address, []).append(tensor)
+            if not _plain_storage(tensor):
+                refused.add(address)
+        plan = cls({}, set(), {})
+        for address, views in by_storage.items():
+            if address not in refused:
+                plan._add(views, views[0].untyped_storage().nbytes())
+        return plan
+
+    def _add(self, views: list[torch.Tensor], storage_bytes: int) -> None:
+        """Plan one storage's views, if compacting them sends fewer bytes than it holds."""
+        spans: dict[int, tuple[int, int]] = {}
+        own: set[int] = set()
+        sent = 0
+        dense = []
+        for view in views:
+            if view.numel() == 0:
+                own.add(id(view))
+                continue
+            first, end = _byte_span(view)
+            if end - first > 2 * view.numel() * view.element_size():
+                own.add(id(view))
+                sent += view.numel() * view.element_size()
+            else:
+                dense.append((first, end, view))
+        for cluster in _clusters(dense):
+            first = min(f for f, _, _ in cluster)
+            first -= first % max(v.element_size() for _, _, v in cluster)
+            end = max(e for _, e, _ in cluster)
+            sent += end - first
+            spans.update({id(v): (first, end) for _, _, v in cluster})
+        if sent < storage_bytes:
+            self.spans.update(spans)
+            self.own.update(own)
+
+    def rebuilt(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor` as it travels, or None where it travels as it is."""
+        if id(tensor) in self.own:
+            copy = tensor.detach().clone()
+        elif id(tensor) in self.spans:
+            copy = self._over_span(tensor, *self.spans[id(tensor)])
+        else:
+            return None
+        copy.requires_grad_(tensor.requires_grad)
+        copy.__dict__.update(tensor.__dict__)  # attributes set on the tensor travel too
+        return copy
+
+    def _over_span(self, tensor: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """`tensor` over a copy of bytes first..end of its storage, made once per cluster."""
+        key = (tensor.untyped_storage().data_ptr(), first)
+        storage = self.made.get(key)
+        if storage is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            whole.set_(tensor.untyped_storage())
+            storage = self.made[key] = whole[first:end].clone().untyped_storage()
+        size = tensor.element_size()
+        offset = (tensor.storage_offset() * size - first) // size
+        copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return copy.set_(storage, offset, tensor.size(), tensor.stride())
+
+
+def _clusters(
+    spans: list[tuple[int, int, torch.Tensor]],
+) -> list[list[tuple[int, int, torch.Tensor]]]:
+    """The spans grouped where they overlap (sorted by their first byte)."""
+    clusters: list[list[tuple[int, int, torch.Tensor]]] = []
+    reach = 0  # one past the last byte of the cluster being built
+    for span in sorted(spans, key=lambda s: (s[0], s[1])):
+        if clusters and span[0] < reach:
+            clusters[-1].append(span)
+            reach = max(reach, span[1])
+        else:
+            clusters.append([span])
+            reach = span[1]
+    return clusters
+
+
+def _compacting(compaction: _Compaction) -> Any:
     """What torch.save needs of a pickle module, with a pickler that saves each tensor of
-    `storages` as a copy of its own elements (plain pickle where there is none)."""
-    if not storages:
+    `compaction` over its compact storage (plain pickle where there is none)."""
+    if not (compaction.spans or compaction.own):
         return pickle
 
     class CompactPickler(pickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
-            if type(obj) is torch.Tensor and _compacted(obj, storages):
-                copy = obj.detach().clone()
-                copy.requires_grad_(obj.requires_grad)
-                copy.__dict__.update(obj.__dict__)  # attributes set on the tensor travel too
-                return copy.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)  # type: ignore[no-untyped-call]
-            return NotImplemented
+            copy = compaction.rebuilt(obj) if type(obj) is torch.Tensor else None
+            if copy is None:
+                return NotImplemented
+            return copy.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)  # type: ignore[no-untyped-call]
 
     class Compacting:
         Pickler = CompactPickler
@@ -118,13 +249,31 @@ def _compacting(storages: set[int]) -> Any:
     return Compacting
 
 
-def _compacted(tensor: torch.Tensor, storages: set[int]) -> bool:
-    return _plain_storage(tensor) and tensor.untyped_storage().data_ptr() in storages
+def _storage_address(tensor: torch.Tensor) -> int | None:
+    """The address of the storage `tensor` holds its data in; None for a tensor without one
+    of its own (a wrapper subclass such as DTensor, a nested or sparse tensor)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return None
+    if tensor.is_nested or tensor.is_quantized or tensor.is_meta:
+        return None
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError):  # a storage torch cannot show
+        return None
 
 
 def _plain_storage(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a strided view of a storage that holds its data as it is."""
-    return tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_meta
+    """Whether `tensor` can be rebuilt over a copy of part of its storage as it is."""
+    return type(tensor) is torch.Tensor and not (tensor.is_conj() or tensor.is_neg())
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first byte of its storage a non-empty strided tensor reads, and one past its last."""
+    size = tensor.element_size()
+    last = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    first = int(tensor.storage_offset()) * size
+    return first, first + int(last + 1) * size
 
 
 def refusal(exc: BaseException) -> str:

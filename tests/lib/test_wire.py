@@ -1,0 +1,123 @@
+"""The wire format on its own: tensor subclasses, shared views, refusals and what they say."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from rankwise import _collectives, _wire
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path: Path) -> Iterator[Any]:
+    """A one-rank gloo group and a CPU device mesh over it, torn down afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _round_trip(value: Any) -> Any:
+    return _wire.decode(_wire.encode(value, "test"))
+
+
+def test_a_dtensor_travels_as_torch_save_carries_it(one_rank_mesh: Any) -> None:
+    """Regression: reading a wrapper subclass's storage address raised, and every value
+    holding a DTensor (an FSDP2 state dict) was refused."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    sharded = distribute_tensor(torch.arange(8.0), one_rank_mesh, [Shard(0)])
+    replicated = distribute_tensor(torch.ones(2, 3), one_rank_mesh, [Replicate()])
+    state = collections.OrderedDict(w=sharded, b=replicated, plain=torch.arange(4)[1:3])
+    back = _round_trip(state)
+    assert type(back) is collections.OrderedDict and list(back) == ["w", "b", "plain"]
+    assert isinstance(back["w"], DTensor) and back["w"].placements == (Shard(0),)
+    assert torch.equal(back["w"].to_local(), torch.arange(8.0))
+    assert torch.equal(back["b"].full_tensor(), torch.ones(2, 3))
+    assert torch.equal(back["plain"], torch.tensor([1, 2]))
+
+
+def test_overlapping_views_of_part_of_a_storage_arrive_sharing_one_storage() -> None:
+    """README: views that overlap share their storage on arrival. They arrived as separate
+    copies when only part of the storage was sent."""
+    base = torch.arange(10_000.0)
+    first, second = base[100:200], base[150:260]
+    data = _wire.encode({"a": first, "b": second}, "test")
+    assert len(data) < 8 * 1024, len(data)  # not the 40 kB storage
+    back = _wire.decode(data)
+    assert torch.equal(back["a"], first) and torch.equal(back["b"], second)
+    assert back["a"].untyped_storage().data_ptr() == back["b"].untyped_storage().data_ptr()
+    back["a"][60] = -1.0  # element 160 of the base, in both views
+    assert back["b"][10] == -1.0
+
+
+def test_strided_views_over_one_storage_keep_their_values() -> None:
+    base = torch.arange(4096, dtype=torch.float64)
+    strided = base[2000:2100:7]
+    column = base.reshape(64, 64)[10:12, 3]
+    back = _round_trip([strided, column, base[5:5]])
+    assert torch.equal(back[0], strided) and torch.equal(back[1], column)
+    assert back[2].shape == (0,)
+
+
+def test_the_senders_check_loads_no_tensor_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that a value loads back with weights_only must not build a second copy of
+    every tensor on the sender (it doubled the sender's memory for a large state)."""
+    loaded: list[Any] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        loaded.append(kwargs.get("map_location"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    _wire.encode({"w": torch.ones(1024)}, "test")
+    assert loaded == ["meta"], loaded
+
+
+def test_the_senders_check_still_refuses_what_would_run_code(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (marker.touch, ())
+
+    with pytest.raises(_wire.WireError, match="does not load back"):
+        _wire.encode({"x": Payload()}, "test")
+    assert not marker.exists()
+
+
+def test_a_defaultdict_is_refused_with_a_hint_to_send_a_dict() -> None:
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+    counts["a"].append(1)
+    with pytest.raises(_wire.WireError) as refused:
+        _wire.encode({"counts": counts, "t": torch.ones(1)}, "all_reduce('x') on rank 0")
+    assert "defaultdict" in str(refused.value) and "dict(" in str(refused.value)
+
+
+def test_a_json_payload_that_does_not_parse_is_not_called_a_torch_load_refusal() -> None:
+    with pytest.raises(RuntimeError) as refused:
+        _collectives.load(b"J{not json", "all_reduce('x'): rank 1's value")
+    said = str(refused.value)
+    assert "rank 1's value" in said and "JSON" in said, said
+    assert "torch.load" not in said and "weights_only" not in said, said
+    assert _collectives.load(b"J" + json.dumps([1]).encode(), "x") == [1]
+
+
+def test_a_torch_save_payload_still_says_it_was_refused() -> None:
+    buffer = io.BytesIO()
+    torch.save({"t": torch.ones(1)}, buffer)
+    assert torch.equal(_collectives.load(buffer.getvalue(), "x")["t"], torch.ones(1))
+    with pytest.raises(RuntimeError, match="weights_only"):
+        _collectives.load(b"PK-not-a-zip", "all_reduce('x'): rank 1's value")
