@@ -16,6 +16,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import operator
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from rankwise import _points, _transport, _wire
 from rankwise._launch import is_initialized, launch_world_size, rank, size
 
 _V = TypeVar("_V")
+_R = TypeVar("_R")
 
 # Each kind's code in the header; any fixed distinct integers do.
 _KINDS = {
@@ -82,6 +84,7 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     others when one rank passes a `src` or label it cannot use (that rank its own error).
     """
     call, bad_label = _call_of("broadcast_from", label)
+    src = as_rank(src)
     solo = single_process(call.text)
     refused = bad_label or _src_error(call, src, 1 if solo else size())
     if solo:
@@ -95,7 +98,7 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
             entry, error, payload = run_fn(call, fn, held)
         else:
             entry, error, payload = Entry(), None, b""
-        headers = exchange(call, replace(entry, root=_as_root(src)), None, payload)
+        headers = exchange(call, replace(entry, root=as_header_int(src)), None, payload)
         if any(kind != _KINDS[call.kind] for kind in headers.kinds):  # before any failure:
             leave_out_of_step(headers, error)  # a peer in another collective has left it
         _raise_for_refusals(headers, error, src)
@@ -282,13 +285,31 @@ def out_of_step(headers: Headers) -> RuntimeError:
 
 
 def raise_if_disagreeing(headers: Headers, name: str, values: list[int]) -> None:
-    """Raise on every rank when members passed different values of an argument `name`."""
-    if len(set(values)) > 1:
-        each = ", ".join(f"rank {m}: {v}" for m, v in zip(headers.members, values, strict=True))
-        raise ValueError(
-            f"{headers.call.text} on rank {rank()}: ranks disagree on {name} ({each}); every "
-            f"rank must pass the same {name}"
-        )
+    """Raise on every rank when members passed different values of an argument `name`; the
+    one rank that differs from all the others, if there is one, is the origin."""
+    if len(set(values)) < 2:
+        return
+    each = ", ".join(f"rank {m}: {v}" for m, v in zip(headers.members, values, strict=True))
+    odd = odd_one(headers.members, values)
+    blame = f"; rank {odd} differs from every other rank" if odd is not None else ""
+    error = ValueError(
+        f"{headers.call.text} on rank {rank()}: ranks disagree on {name} ({each}){blame}; "
+        f"every rank must pass the same {name}"
+    )
+    raise _from(odd, error) if odd is not None else error
+
+
+def odd_one(members: list[int], values: list[Any]) -> int | None:
+    """The member whose value differs while every other member's is the same (at least
+    three members: of two, neither is the odd one); None otherwise."""
+    if len(members) < 3:
+        return None
+    counts: dict[Any, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    if len(counts) != 2 or 1 not in counts.values():
+        return None
+    return members[[counts[v] for v in values].index(1)]
 
 
 def _from(origin: int, error: BaseException) -> BaseException:
@@ -321,7 +342,8 @@ def leave_out_of_step(headers: Headers, error: BaseException | None) -> NoReturn
         raise _from(rank(), _leaving(error))
     entries = zip(headers.members, headers.entries, strict=True)
     failed = [m for m, e in entries if e.status == "error"]
-    raise _from(failed[0], out_of_step(headers)) if failed else out_of_step(headers)
+    origin = failed[0] if failed else odd_one(headers.members, headers.keys)
+    raise _from(origin, out_of_step(headers)) if origin is not None else out_of_step(headers)
 
 
 def raise_for_failures(
@@ -382,7 +404,7 @@ def run_fn(
         if getattr(exc, "_rankwise_out_of_step", False):
             raise  # a collective inside fn found ranks out of step: every rank is leaving
         if isinstance(exc, SystemExit):
-            return Entry("exit", code=_exit_code(exc)), exc, b""
+            return Entry("exit", code=exit_code(exc)), exc, b""
         return Entry("error", error=describe(exc)), exc, b""
     return Entry(length=len(payload)), None, payload
 
@@ -391,7 +413,7 @@ def describe(exc: BaseException) -> str:
     """ "ValueError: bad batch": the text a failure travels as, whatever its __str__ does."""
     try:
         return f"{type(exc).__name__}: {exc}"
-    except Exception as broken:  # its __str__ raised: it still travels, named
+    except BaseException as broken:  # its __str__ raised, even an exit: it still travels
         return f"{type(exc).__name__} (its message could not be read: {type(broken).__name__})"
 
 
@@ -460,14 +482,33 @@ def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
     return Call(kind, shown, f"{kind}({shown})"), error
 
 
+def as_index(value: object) -> int | None:
+    """`value` as an int if it is integer-like (an int, numpy's or torch's integer scalars;
+    not a bool, a float or a tensor of several elements); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _src_error(call: Call, src: object, world: int) -> Exception | None:
-    if isinstance(src, bool) or not isinstance(src, int):
+    index = as_index(src)
+    if index is None:
         return TypeError(f"{call.text}: src must be an int rank; got {src!r}")
-    if not 0 <= src < world:
+    if not 0 <= index < world:
         return ValueError(
             f"{call.text}: src={src} is not a rank of this run of {world}; use 0..{world - 1}"
         )
     return None
+
+
+def as_rank(value: _R) -> _R | int:
+    """An integer-like rank (numpy's int64, say) as the int it stands for; anything else as
+    it is, for the argument check to refuse by its own repr."""
+    index = as_index(value)
+    return value if index is None else index
 
 
 def _raising(error: BaseException) -> Callable[[], Any]:
@@ -479,10 +520,11 @@ def _raising(error: BaseException) -> Callable[[], Any]:
     return refuse
 
 
-def _as_root(src: object) -> int:
-    """`src` as the header carries it: -1 for one that is no int (refused before)."""
-    fits = isinstance(src, int) and not isinstance(src, bool) and -(2**63) <= src < 2**63
-    return int(src) if fits else -1  # type: ignore[call-overload]
+def as_header_int(value: object) -> int:
+    """An argument (src, dst, chunk_bytes) as the header carries it: -1 for one that is no
+    int or does not fit in an int64 (each is refused on its rank before it is compared)."""
+    fits = isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+    return int(value) if fits else -1  # type: ignore[call-overload]
 
 
 def _raise_for_refusals(headers: Headers, error: BaseException | None, src: object) -> None:
@@ -503,7 +545,7 @@ def _raise_for_refusals(headers: Headers, error: BaseException | None, src: obje
     raise _from(first, RuntimeError(f"{headers.call.text}: {words}"))
 
 
-def _exit_code(exc: SystemExit) -> int:
+def exit_code(exc: SystemExit) -> int:
     """The code a header carries (int64): 1, as for a message, for one it cannot hold."""
     if exc.code is None:
         return 0

@@ -19,7 +19,12 @@ from rankwise import _points, _transport, _wire
 from rankwise._collectives import (
     Call,
     Entry,
+    as_header_int,
+    as_rank,
+    describe,
     exchange,
+    exit_code,
+    peers_answering,
     raise_for_failures,
     raise_if_disagreeing,
     single_process,
@@ -27,6 +32,7 @@ from rankwise._collectives import (
 from rankwise._launch import is_initialized, rank
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+_INT64_MAX = 2**63 - 1  # the header carries chunk_bytes as an int64
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
@@ -44,13 +50,14 @@ def gather_bytes(
     compared, in the first exchange; a rank with a bad one raises its own error, the others
     a RuntimeError naming it, and ranks that disagree all raise a ValueError naming the values.
     """
+    dst, chunk_bytes = as_rank(dst), as_rank(chunk_bytes)
     call = Call("gather_bytes", "", f"gather_bytes(dst={dst!r})")
     view: memoryview | bytes = b""
     error: BaseException | None = None
     try:
         _check_chunk(call.text, chunk_bytes)
         view = _byte_view(call.text, data)
-    except (TypeError, ValueError) as exc:
+    except BaseException as exc:  # any at all: the peers learn of it in the exchange
         error = exc
     return _gather(call, view, error, dst, group, chunk_bytes)
 
@@ -65,6 +72,7 @@ def gather_state_dicts(
     only when reached, so host memory holds one decoded dict at a time. Elsewhere it is
     empty. A payload that would run code when loaded is refused, never run.
     """
+    dst = as_rank(dst)
     call = Call("gather_state_dicts", "", f"gather_state_dicts(dst={dst!r})")
     error: BaseException | None = None
     blob = b""
@@ -74,7 +82,7 @@ def gather_state_dicts(
                 f"{call.text} on rank {rank()}: state must be a dict; got {type(state).__name__}"
             )
         blob = _wire.encode(state, f"{call.text} on rank {rank()}")
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C while encoding too: the peers must not wait
         error = exc
     blobs = _gather(call, memoryview(blob), error, dst, group, DEFAULT_CHUNK_BYTES)
     if blobs is None:
@@ -99,6 +107,11 @@ def _decode_each(what: str, blobs: list[bytearray], members: list[int]) -> Itera
 def _check_chunk(what: str, chunk_bytes: int) -> None:
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"{what}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    if chunk_bytes > _INT64_MAX:
+        raise ValueError(
+            f"{what}: chunk_bytes={chunk_bytes} is past 2**63 - 1; pass at most that (no "
+            f"rank sends more in one chunk than it has)"
+        )
 
 
 def _byte_view(what: str, data: Any) -> memoryview:
@@ -149,19 +162,27 @@ def _gather(
             raise error
         return [bytearray(data)]
     with _points.point("gather", call.text):  # the point as the harness knows it
-        mine = Entry(
-            "error" if error else "ok",
-            length=len(data),
-            root=dst if isinstance(dst, int) else -1,
-            chunk=chunk_bytes if isinstance(chunk_bytes, int) else 0,
-            error=f"{type(error).__name__}: {error}" if error else "",
-        )
-        headers = exchange(call, mine, group)
+        headers = exchange(call, _entry(data, error, dst, chunk_bytes), group)
         raise_for_failures(headers, error, failed_as="could not contribute:")
         raise_if_disagreeing(headers, "dst", [e.root for e in headers.entries])
         raise_if_disagreeing(headers, "chunk_bytes", [e.chunk for e in headers.entries])
         lengths = [e.length for e in headers.entries]
-        return _gather_chunks(memoryview(data), lengths, dst, group, chunk_bytes)
+        with peers_answering(call):  # a peer dying mid-way: name the call, not gloo's words
+            return _gather_chunks(memoryview(data), lengths, dst, group, chunk_bytes)
+
+
+def _entry(data: memoryview | bytes, error: BaseException | None, dst: Any, chunk: Any) -> Entry:
+    """This rank's header: its length, dst and chunk size (each as the header can hold it:
+    a value refused before is never compared), or what kept it from contributing."""
+    if isinstance(error, SystemExit):
+        return Entry("exit", code=exit_code(error))
+    return Entry(
+        "error" if error is not None else "ok",
+        length=len(data),
+        root=as_header_int(dst),
+        chunk=as_header_int(chunk),
+        error=describe(error) if error is not None else "",
+    )
 
 
 def _check_dst(what: str, dst: int, members: list[int]) -> None:

@@ -30,23 +30,42 @@ def backend() -> str | None:
 
 def rank(group: Any = None) -> int:
     """This process's rank in `group` (default: the whole world); 0 without a group."""
+    _check_group("rank", group)
     return dist.get_rank(group=group) if is_initialized() else 0
 
 
 def size(group: Any = None) -> int:
     """The number of ranks in `group` (default: the whole world); 1 without a group."""
+    _check_group("size", group)
     return dist.get_world_size(group=group) if is_initialized() else 1
 
 
 def is_master(group: Any = None) -> bool:
     """Whether this process is rank 0 of `group`; a single process always is."""
+    _check_group("is_master", group)
     return rank(group) == 0
 
 
 def barrier(group: Any = None) -> None:
     """Wait until every rank of `group` gets here; returns at once without a group."""
+    _check_group("barrier", group)
     if is_initialized():
         dist.barrier(group=group)
+
+
+def _check_group(what: str, group: Any) -> None:
+    """A clear error for a group that is no process group (modelopt's -1 for a parallelism
+    not in use, say), before torch sees it, or a single process answers as if it were one."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    # What new_group returns on a rank outside the group: torch answers -1 for it.
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    raise TypeError(
+        f"{what}: group must be a ProcessGroup or None; got {group!r}. For a group that may "
+        f"be -1 (not in use), use DistributedProcessGroup(group), whose rank() and "
+        f"world_size() return -1 for it"
+    )
 
 
 def launch_world_size() -> int:

@@ -59,6 +59,15 @@ class DistributionPlan:
         return self.dense == "fsdp"
 
 
+def _module(what: str, model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{what}: model must be a torch.nn.Module (the model, or a submodule of it); got "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module a torch.compile wrapper stands for (itself otherwise)."""
     inner = getattr(model, "_orig_mod", None)
@@ -75,7 +84,7 @@ def set_distribution_plan(model: nn.Module, plan: DistributionPlan) -> None:
     """
     if not isinstance(plan, DistributionPlan):
         raise TypeError(f"set_distribution_plan: plan must be a DistributionPlan; got {plan!r}")
-    model = _unwrapped(model)
+    model = _unwrapped(_module("set_distribution_plan", model))
     recorded = [(name, m) for name, m in model.named_modules() if _ATTRIBUTE in vars(m)]
     if recorded:
         name, holder = recorded[0]
@@ -100,7 +109,7 @@ def distribution_plan(model: nn.Module) -> DistributionPlan:
     sharded parameters, as a leaf of a sharded model does), or held in a run of several
     ranks, raises instead of being taken for a single process's.
     """
-    model = _unwrapped(model)
+    model = _unwrapped(_module("distribution_plan", model))
     plan = vars(model).get(_ATTRIBUTE)
     if isinstance(plan, DistributionPlan):
         return plan

@@ -672,9 +672,9 @@ def _wire_round_trip(value: Any) -> Any:
 
 
 def test_an_exit_code_a_header_cannot_hold_reads_as_a_failure() -> None:
-    from rankwise._collectives import _exit_code
+    from rankwise._collectives import exit_code
 
-    assert _exit_code(SystemExit(2**64)) == 1 and _exit_code(SystemExit(-3)) == -3
+    assert exit_code(SystemExit(2**64)) == 1 and exit_code(SystemExit(-3)) == -3
 
 
 def test_a_view_travels_without_the_rest_of_its_storage() -> None:
@@ -724,3 +724,36 @@ def test_views_that_share_a_small_storage_travel_with_it_once() -> None:
     whole, row = _wire.decode(_wire.encode((base, base[3:7]), "test"))  # sent once, shared
     assert row.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
     assert torch.equal(row, base[3:7])
+
+
+# ---- the odd rank out is the origin -----------------------------------------------------------
+
+
+def _broadcast_on(odd: int) -> Any:
+    if dist.get_rank() == odd:
+        return rw.broadcast_from("x", lambda: 1)
+    return rw.all_reduce("x", lambda: 1, sum)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_one_rank_in_another_collective_is_the_origin(
+    run_on_ranks: Any, world_size: int
+) -> None:
+    """Every rank raised the same error with no origin, so whichever rank raised first was
+    named the root cause (rank 0 at 2 ranks, rank 6 at 8, the odd one being rank 7)."""
+    odd = world_size - 1
+    out = run_on_ranks(_broadcast_on, odd, world_size=world_size, timeout=BOUND_S)
+    assert all(e is E for e in out.endings), out.report()
+    for o in out:
+        assert "ranks out of step" in o.message, o.message
+        assert o.origin_rank == (odd if world_size > 2 else None), o.message
+
+
+@pytest.mark.ranks(2)
+def test_an_integer_like_src_is_taken(rank: int) -> None:
+    import numpy as np
+
+    assert rw.broadcast_from("np", lambda: rank, src=np.int64(1)) == 1
+    assert rw.broadcast_from("tensor", lambda: rank, src=torch.tensor(1)) == 1
+    with pytest.raises(TypeError, match=r"src must be an int rank; got 1\.0"):
+        rw.broadcast_from("float", lambda: rank, src=1.0)  # type: ignore[arg-type]

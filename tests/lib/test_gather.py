@@ -285,3 +285,147 @@ def test_a_gather_out_of_step_with_a_collective_raises_everywhere(run_on_ranks: 
         assert "ranks out of step (rank 0 in gather_bytes(dst=0); rank 1 in all_reduce('x'))" in (
             o.message
         )
+
+
+# ---- no argument value and no BaseException leaves a peer waiting ----------------------------
+
+
+class _InterruptsWhenSaved:
+    """A value whose saving is interrupted, as by Ctrl-C while a large state is encoded."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise KeyboardInterrupt
+
+
+class _ExitingText(Exception):
+    """An error whose text cannot be read: reading it raises a BaseException of its own."""
+
+    def __init__(self, how: type[BaseException]) -> None:
+        super().__init__()
+        self.how = how
+
+    def __str__(self) -> str:
+        raise self.how()
+
+
+def _one_rank_is_odd(how: str) -> Any:
+    """Rank 1 alone passes an argument or value its peers do not; what it raised comes back
+    as its value, so a BaseException on it cannot end the rank before its peers are seen."""
+    rank = dist.get_rank()
+    dst: Any = 0
+    chunk: Any = 8
+    if rank == 1:
+        if how == "dst_2**63":
+            dst = 2**63
+        elif how == "chunk_2**63":
+            chunk = 2**63
+    try:
+        if how == "interrupted_encode":
+            state = {"w": _InterruptsWhenSaved() if rank == 1 else torch.ones(2)}
+            return list(rw.gather_state_dicts(state, dst=0)) and "gathered"
+        if how in ("str_interrupts", "str_exits"):
+            kind = KeyboardInterrupt if how == "str_interrupts" else SystemExit
+
+            def fn() -> int:
+                if rank == 1:
+                    raise _ExitingText(kind)
+                return 1
+
+            return rw.all_reduce("x", fn, sum)
+        return rw.gather_bytes(b"abcdefgh", dst=dst, chunk_bytes=chunk)
+    except (KeyboardInterrupt, SystemExit, _ExitingText) as exc:
+        return f"rank 1 raised {type(exc).__name__}"
+
+
+@pytest.mark.parametrize("how", ["dst_2**63", "chunk_2**63"])
+def test_an_argument_too_large_for_the_header_on_one_rank_raises_on_every_rank(
+    run_on_ranks: Any, how: str
+) -> None:
+    """It raised a bare struct.error on that rank before the exchange; its peers waited."""
+    out = run_on_ranks(_one_rank_is_odd, how, world_size=4, timeout=BOUND_S)
+    assert out.endings == [E, E, E, E], out.report()
+    assert out[1].exc_name == "ValueError", out[1].message
+    name = how.split("_")[0]
+    assert f"{'chunk_bytes' if name == 'chunk' else 'dst'}" in out[1].message
+    for r in (0, 2, 3):
+        assert out[r].exc_name == "RuntimeError" and out[r].origin_rank == 1, out[r].message
+        assert "rank 1 could not contribute: ValueError" in out[r].message
+
+
+def test_an_interrupt_while_one_rank_encodes_its_state_reaches_every_rank(
+    run_on_ranks: Any,
+) -> None:
+    """A KeyboardInterrupt outside fn (gather_state_dicts encoding the state) escaped on its
+    rank before the exchange; its peers waited until the group's timeout."""
+    out = run_on_ranks(_one_rank_is_odd, "interrupted_encode", world_size=3, timeout=BOUND_S)
+    assert out[1].ending is Ending.RETURNED, out.report()
+    assert out[1].value == "rank 1 raised KeyboardInterrupt"
+    for r in (0, 2):
+        assert out[r].ending is E and out[r].origin_rank == 1, out.report()
+        assert "rank 1 could not contribute: KeyboardInterrupt" in out[r].message
+
+
+@pytest.mark.parametrize("how", ["str_interrupts", "str_exits"])
+def test_an_error_whose_text_raises_a_base_exception_reaches_every_rank(
+    run_on_ranks: Any, how: str
+) -> None:
+    out = run_on_ranks(_one_rank_is_odd, how, world_size=3, timeout=BOUND_S)
+    assert out[1].value == "rank 1 raised _ExitingText", out.report()  # its own error
+    for r in (0, 2):
+        assert out[r].ending is E and out[r].origin_rank == 1, out.report()
+        assert "rank 1 raised _ExitingText (its message could not be read" in out[r].message
+
+
+def _rank_1_dies_while_chunks_move() -> Any:
+    if dist.get_rank() == 1:
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os._exit(3)
+
+        dist.send = die  # type: ignore[assignment]  # after the header: in the chunk phase
+    return rw.gather_bytes(b"x" * 64, dst=0, chunk_bytes=8)
+
+
+def test_a_peer_dying_while_chunks_move_is_named_with_the_call(run_on_ranks: Any) -> None:
+    """gloo's bare "Connection reset by peer" named neither the call nor what to do."""
+    out = run_on_ranks(_rank_1_dies_while_chunks_move, world_size=3, timeout=BOUND_S)
+    assert out[1].ending is Ending.HARD_EXIT, out.report()
+    assert out[0].ending is E, out.report()
+    assert out[0].message.startswith("gather_bytes(dst=0) on rank 0: moving data with its peers"), (
+        out[0].message
+    )
+    assert "a peer died, hung or never reached this collective" in out[0].message
+
+
+# ---- disagreements name the odd rank ----------------------------------------------------------
+
+
+def _chunk_differs_on(odd: int) -> Any:
+    chunk = 3 if dist.get_rank() == odd else 8
+    return rw.gather_bytes(b"x" * 24, dst=0, chunk_bytes=chunk)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_one_rank_that_disagrees_is_the_origin(run_on_ranks: Any, world_size: int) -> None:
+    odd = world_size - 1
+    out = run_on_ranks(_chunk_differs_on, odd, world_size=world_size, timeout=BOUND_S)
+    assert all(e is E for e in out.endings), out.report()
+    for o in out:
+        assert o.exc_name == "ValueError" and "ranks disagree on chunk_bytes" in o.message
+        if world_size == 2:  # one against one: neither is the odd one
+            assert o.origin_rank is None, o.message
+        else:
+            assert o.origin_rank == odd, o.message
+            assert f"rank {odd} differs from every other rank" in o.message, o.message
+
+
+def test_integer_like_dst_and_chunk_bytes_are_taken(run_on_ranks: Any) -> None:
+    out = run_on_ranks(_numpy_arguments, world_size=2, timeout=BOUND_S)
+    assert out.values == [[bytearray(b"r0"), bytearray(b"r1")], None], out.report()
+
+
+def _numpy_arguments() -> Any:
+    import numpy as np
+
+    rank = dist.get_rank()
+    return rw.gather_bytes(b"r%d" % rank, dst=np.int64(0), chunk_bytes=np.int32(1))

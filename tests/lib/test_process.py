@@ -181,3 +181,19 @@ def test_a_synced_value_that_does_not_round_trip_raises_on_every_rank(
     assert out[1].exc_name == "WireError" and "type Opaque" in out[1].message
     assert "torch.serialization.add_safe_globals" in out[1].message
     assert out[0].exc_name == "RuntimeError" and "rank 1 raised WireError" in out[0].message
+
+
+@pytest.mark.parametrize("query", ["rank", "size", "is_master", "barrier"])
+def test_a_group_that_is_no_process_group_is_a_clear_error(query: str) -> None:
+    """rank(-1) passed -1 straight to torch (or returned 0 without a group)."""
+    with pytest.raises(TypeError, match=rf"{query}: group must be a ProcessGroup or None; got -1"):
+        getattr(rw, query)(-1)
+
+
+def test_distribution_plan_of_something_that_is_no_module_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match=r"distribution_plan: model must be a torch\.nn\.Module"):
+        rw.distribution_plan(None)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"set_distribution_plan: model must be a torch\.nn\.Module"
+    ):
+        rw.set_distribution_plan("llama", rw.DistributionPlan())  # type: ignore[arg-type]
