@@ -202,7 +202,7 @@ def peers_answering(call: Call) -> Iterator[None]:
     Every rank is leaving: an enclosing collective's fn lets it through."""
     try:
         yield
-    except RuntimeError as exc:
+    except _transport.LinkError as exc:  # the backend's failure; a local error stays as it is
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise _leaving(
             RuntimeError(

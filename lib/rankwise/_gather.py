@@ -212,20 +212,23 @@ def _receive_in_place(
     if me != dst:
         for offset in range(0, len(data), chunk_bytes):
             piece = data[offset : offset + chunk_bytes]
-            dist.send(_transport.readonly_tensor(piece), dst=dst, group=group)
+            with _transport.link():
+                dist.send(_transport.readonly_tensor(piece), dst=dst, group=group)
         return None
     out = [bytearray(n) for n in lengths]
     for offset in range(0, max(lengths, default=0), chunk_bytes):
-        waits = [
-            dist.irecv(_window(target, offset, chunk_bytes), src=member, group=group)
-            for member, target in zip(members, out, strict=True)
-            if member != me and offset < len(target)
-        ]
+        with _transport.link():
+            waits = [
+                dist.irecv(_window(target, offset, chunk_bytes), src=member, group=group)
+                for member, target in zip(members, out, strict=True)
+                if member != me and offset < len(target)
+            ]
         if offset == 0:  # receives posted first: bytes arriving early would be staged
             memoryview(out[members.index(me)])[:] = data  # bytearray[:] = would copy twice
         for work in waits:
             if work is not None:
-                work.wait()
+                with _transport.link():
+                    work.wait()
     return out
 
 
@@ -249,10 +252,12 @@ def _gather_through_device(
         width = min(chunk_bytes, longest - offset)
         send = _transport.send_buffer(data[offset : offset + width], width, device)
         if out is None:
-            dist.gather(send, None, dst=dst, group=group)
+            with _transport.link():
+                dist.gather(send, None, dst=dst, group=group)
             continue
         slots = [_transport.receive_buffer(target, offset, width, device) for target in out]
-        dist.gather(send, [slot for slot, _ in slots], dst=dst, group=group)
+        with _transport.link():
+            dist.gather(send, [slot for slot, _ in slots], dst=dst, group=group)
         for target, (slot, in_place), length in zip(out, slots, lengths, strict=True):
             if not in_place:
                 _transport.copy_out(slot, max(0, min(width, length - offset)), target, offset)

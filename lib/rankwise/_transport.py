@@ -1,13 +1,17 @@
 """Moving bytes between ranks as uint8 tensors, on the device the group's backend needs.
 
 No pickle anywhere: only tensors of bytes cross the wire. gloo moves CPU tensors; NCCL needs
-them on this rank's current CUDA device, and they come back to host memory afterwards.
+them on this rank's current CUDA device, and they come back to host memory afterwards. No
+numpy either (torch's CPU wheel runs without it). Every call into the backend runs inside
+`link()`, so that only its failures read as a peer's: a local error stays what it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,9 +22,26 @@ import torch.distributed as dist
 _all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class LinkError(RuntimeError):
+    """The backend failed to move bytes with the peers (a peer died, hung or left)."""
+
+
+@contextlib.contextmanager
+def link() -> Iterator[None]:
+    """Around a call into the backend: its RuntimeError (gloo's "Connection closed by peer",
+    a timeout) becomes a LinkError, which callers word as the peers' failure."""
+    try:
+        yield
+    except LinkError:
+        raise
+    except RuntimeError as exc:
+        raise LinkError(str(exc)) from exc
+
+
 def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's equal-sized `tensor`, concatenated into `output`, in group order."""
-    _all_gather_single(output, tensor, group=group)
+    with link():
+        _all_gather_single(output, tensor, group=group)
 
 
 def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
@@ -35,7 +56,8 @@ def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
     out = torch.empty(count * len(block), dtype=torch.uint8, device=device)
     if device.type == "cpu":
         repeated = bytearray(block) * count  # in Python: cheaper than a tensor's repeat()
-        dist.all_to_all_single(out, torch.frombuffer(repeated, dtype=torch.uint8), group=group)
+        with link():
+            dist.all_to_all_single(out, torch.frombuffer(repeated, dtype=torch.uint8), group=group)
     else:
         mine = torch.frombuffer(bytearray(block), dtype=torch.uint8).to(device)
         all_gather_single(out, mine, group)
@@ -92,8 +114,8 @@ def copy_out(tensor: torch.Tensor, length: int, target: bytearray, offset: int =
 
 
 def host_bytes(tensor: torch.Tensor) -> bytes:
-    """A uint8 tensor's bytes, wherever it lives: one copy to the host."""
-    return tensor.cpu().numpy().tobytes()
+    """A uint8 tensor's bytes, wherever it lives: one copy to the host, one into bytes."""
+    return to_bytes(tensor, tensor.numel())
 
 
 def to_bytes(tensor: torch.Tensor, length: int) -> bytes:
@@ -108,12 +130,14 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     count = dist.get_world_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(count)]
-    dist.all_gather(lengths, length, group=group)
+    with link():
+        dist.all_gather(lengths, length, group=group)
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     mine = send_buffer(memoryview(data), longest, device)
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(count)]
-    dist.all_gather(gathered, mine, group=group)
+    with link():
+        dist.all_gather(gathered, mine, group=group)
     return [to_bytes(t, n) for t, n in zip(gathered, sizes, strict=False)]
 
 
@@ -121,14 +145,16 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
     """`data` from global rank `src` on every rank (pass None on the others)."""
     device = exchange_device(group)
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(length, src, group=group)
+    with link():
+        dist.broadcast(length, src, group=group)
     size = int(length.item())
     if data is not None:
         buffer = send_buffer(memoryview(data), size, device)
     else:
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
-        dist.broadcast(buffer, src, group=group)
+        with link():
+            dist.broadcast(buffer, src, group=group)
     return data if data is not None else to_bytes(buffer, size)
 
 
@@ -151,8 +177,10 @@ def broadcast_known(data: bytes | None, size: int, src: int, group: Any = None) 
         return b""
     device = exchange_device(group)
     if data is not None:
-        dist.broadcast(send_buffer(memoryview(data), size, device), src, group=group)
+        with link():
+            dist.broadcast(send_buffer(memoryview(data), size, device), src, group=group)
         return data
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src, group=group)
+    with link():
+        dist.broadcast(buffer, src, group=group)
     return to_bytes(buffer, size)

@@ -757,3 +757,39 @@ def test_an_integer_like_src_is_taken(rank: int) -> None:
     assert rw.broadcast_from("tensor", lambda: rank, src=torch.tensor(1)) == 1
     with pytest.raises(TypeError, match=r"src must be an int rank; got 1\.0"):
         rw.broadcast_from("float", lambda: rank, src=1.0)  # type: ignore[arg-type]
+
+
+# ---- a local failure is not blamed on a peer ---------------------------------------------------
+
+
+def _rank_1_fails_locally_after_the_exchange() -> Any:
+    def no_numpy(tensor: torch.Tensor) -> bytes:
+        raise RuntimeError("Numpy is not available")
+
+    real = _transport.host_bytes
+    if dist.get_rank() == 1:
+        _transport.host_bytes = no_numpy  # type: ignore[assignment]
+    try:
+        return rw.all_reduce("x", lambda: 1, sum)
+    finally:
+        _transport.host_bytes = real  # the rank serves later tests
+
+
+def test_a_local_failure_while_bytes_move_is_not_blamed_on_a_peer(run_on_ranks: Any) -> None:
+    """A torch without numpy failed in every labelled collective with "a peer died, hung or
+    never reached this collective": a local error blamed on a peer."""
+    out = run_on_ranks(_rank_1_fails_locally_after_the_exchange, world_size=3, timeout=BOUND_S)
+    assert out[1].ending is E and out[1].message == "Numpy is not available", out.report()
+    assert "peer" not in out[1].message
+
+
+def test_bytes_come_off_a_tensor_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy is not a dependency (torch's CPU wheel does not need it): nothing may use it."""
+
+    def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    data = bytes(range(256)) * 3
+    assert _transport.host_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == data
+    assert _transport.host_bytes(torch.empty(0, dtype=torch.uint8)) == b""
