@@ -44,15 +44,23 @@ class DistributedState:
 
 
 class _LiveState(DistributedState):
-    """The state distributed_run yields: its rank and size are read from the live group each
-    time, so they follow a group the body sets up (or destroys)."""
+    """The state distributed_run yields: inside the block its rank and size are read from the
+    live group each time, so they follow a group the body sets up; when the block ends they
+    keep the values they had then (the run's), so that after a run that destroyed its group
+    `state.is_main` is still true on rank 0 alone. Its hash is its device's, which never
+    changes, so it stays findable in a set or dict while its rank and size move."""
 
     def __getattribute__(self, name: str) -> Any:
-        if name == "rank":
-            return rank()
-        if name == "world_size":
-            return size()
+        if name in ("rank", "world_size"):
+            ended = object.__getattribute__(self, "__dict__").get("_ended")
+            if ended is not None:
+                return ended[0] if name == "rank" else ended[1]
+            return rank() if name == "rank" else size()
         return super().__getattribute__(name)
+
+    def end(self) -> None:
+        """Keep the rank and size read now, for after the block."""
+        object.__setattr__(self, "_ended", (self.rank, self.world_size))
 
     def _fields(self) -> tuple[int, int, torch.device]:
         return self.rank, self.world_size, self.device
@@ -63,7 +71,7 @@ class _LiveState(DistributedState):
         return self._fields() == (other.rank, other.world_size, other.device)
 
     def __hash__(self) -> int:
-        return hash(self._fields())
+        return hash(self.device)
 
     def __repr__(self) -> str:
         rank_now, size_now, device = self._fields()
@@ -79,8 +87,10 @@ def distributed_run(
     On a distributed launch (WORLD_SIZE > 1): bind this rank's CUDA device (LOCAL_RANK) and,
     unless the caller already set a group up, set up an NCCL group with `timeout`; any device
     but CUDA is refused. Without a launch nothing is set up and the state is on `device`.
-    Rank and size always come from the live group. On exit the group this run set up (or the
-    body set up) is destroyed; a group that existed before is the caller's and is left alone.
+    Inside the block rank and size come from the live group; after it the state keeps the
+    values they had when the block ended. On exit the group this run set up (or the body set
+    up, also in place of the caller's) is destroyed; the group that was there when the run
+    began is the caller's and is left alone.
     If the body raises in a run of several ranks on a group the run owns, the rank leaves
     through `abort()` instead: destroying the group would wait on peers stuck elsewhere. A
     `SystemExit` is not an error and tears down normally (every rank must exit together).
@@ -90,14 +100,14 @@ def distributed_run(
             f"distributed_run: timeout must be a datetime.timedelta or None; got {timeout!r}"
         )
     requested = _parse_device(device)
-    callers_group = is_initialized()
+    callers_group = dist.group.WORLD if is_initialized() else None
     state_device = _prepare_launch(requested, timeout) if _is_launch() else requested
     if state_device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"distributed_run: device {str(device)!r} asks for CUDA, but CUDA is not available "
             f"here (torch.cuda.is_available() is False); pass device='cpu' or run on a GPU machine"
         )
-    if callers_group and timeout is not None and size() > 1:
+    if callers_group is not None and timeout is not None and size() > 1:
         warnings.warn(
             f"distributed_run: timeout={timeout} is ignored: the caller set the process group "
             f"up ({size()} ranks) before the run, and a group's timeout is fixed when it is "
@@ -111,14 +121,23 @@ def distributed_run(
         yield state
         _points.passed("distributed_run", "exit")
     except SystemExit as exc:
+        state.end()
         _teardown(callers_group, wait=True, exiting=exc)
         raise
     except BaseException:
-        if not callers_group and is_initialized() and size() > 1:
+        state.end()
+        if _owned(callers_group) and size() > 1:
             abort()
         _teardown(callers_group, wait=False)
         raise
+    state.end()
     _teardown(callers_group, wait=True)
+
+
+def _owned(callers_group: Any) -> bool:
+    """Whether a live group is the run's to tear down: any but the one the caller had set up
+    when the run began (a body may destroy that one and set up its own)."""
+    return is_initialized() and dist.group.WORLD is not callers_group
 
 
 def _is_launch() -> bool:
@@ -176,14 +195,14 @@ def _prepare_launch(requested: torch.device, timeout: timedelta | None) -> torch
     return cuda
 
 
-def _teardown(callers_group: bool, wait: bool, exiting: SystemExit | None = None) -> None:
+def _teardown(callers_group: Any, wait: bool, exiting: SystemExit | None = None) -> None:
     """Destroy the group the run owns; on a normal exit, once every rank has got here.
 
     Destroying does not wait on gloo, so without the barrier a rank would leave while its
     peers still work. The barrier is bounded by the group's own timeout (the run's, for the
     launch's group). `exiting`: the SystemExit the body raised, which stays the rank's own.
     """
-    if callers_group or not is_initialized():
+    if not _owned(callers_group):
         return
     if wait and size() > 1:
         _wait_for_every_rank(exiting)

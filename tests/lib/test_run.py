@@ -167,7 +167,38 @@ def _own_group_then(action: str) -> tuple[int, bool]:
 
 def test_a_run_owned_group_is_destroyed_on_exit(run_on_ranks: Any) -> None:
     out = run_on_ranks(_own_group_then, "nothing", world_size=4, launch=True, timeout=30)
-    assert out.values == [(0, False)] * 4  # the state was taken before the body's group
+    assert out.values == [(r, False) for r in range(4)]  # the state keeps the run's ranks
+
+
+def _is_main_after_the_block() -> tuple[int, int, bool, bool]:
+    world, me = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    del os.environ["WORLD_SIZE"]
+    with rw.distributed_run(device="cpu") as state:
+        dist.init_process_group("gloo", init_method="env://", rank=me, world_size=world)
+        during = hash(state)
+        seen = {state}
+    # The group is gone: the state must not read rank 0 of 1 now, or every rank is main.
+    stable = hash(state) == during and state in seen
+    return state.rank, state.world_size, state.is_main, stable
+
+
+def test_after_the_block_the_state_keeps_the_runs_values(run_on_ranks: Any) -> None:
+    """It read rank 0 of 1 once the run had destroyed its group, so `if state.is_main:
+    save()` after the block ran on every rank; its hash changed as well."""
+    out = run_on_ranks(_is_main_after_the_block, world_size=3, launch=True, timeout=30)
+    assert out.values == [(0, 3, True, True), (1, 3, False, True), (2, 3, False, True)]
+
+
+def test_a_group_the_body_set_up_after_destroying_the_callers_is_destroyed(
+    tmp_path: Path,
+) -> None:
+    """The spec: the run destroys a group the body set up; only one that was there when the
+    run began is the caller's. The body's replacement of the caller's outlived the run."""
+    _one_rank_group(tmp_path / "callers")
+    with rw.distributed_run(device="cpu"):
+        dist.destroy_process_group()
+        _one_rank_group(tmp_path / "bodys")
+    assert not dist.is_initialized()
 
 
 def test_a_rank_whose_body_raised_in_a_run_owned_group_aborts(run_on_ranks: Any) -> None:
