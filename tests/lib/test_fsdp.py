@@ -228,3 +228,73 @@ def test_the_root_is_sharded_again_after_a_forward(rank: int) -> None:
         model(input_ids=tokens())
     root = [model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight]
     assert all(isinstance(p, DTensor) for p in root)  # sharded, not left whole after forward
+
+
+# ---- what it refuses --------------------------------------------------------------------------
+
+
+def _non_causal(kind: str) -> nn.Module:
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        BertModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    if kind == "t5":
+        config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2)
+        return T5ForConditionalGeneration(config)
+    bert = BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32,
+    )  # fmt: skip
+    return BertModel(bert) if kind == "bert" else BertForMaskedLM(bert)
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("t5", "encoder-decoder"),
+        ("bert", "not one stack of blocks"),
+        ("bertmlm", "not one stack of blocks"),
+    ],
+)
+def test_a_model_that_is_no_causal_lm_is_refused(kind: str, why: str) -> None:
+    """T5's encoder blocks were taken for decoder layers, BertModel's embeddings for one, and
+    BertForMaskedLM then failed inside torch with a shared-parameter error."""
+    model = _non_causal(kind)
+    with pytest.raises(RuntimeError, match=r"fsdp2_wrap: cannot find the decoder layers of") as no:
+        rw.fsdp2_wrap(model)
+    assert why in str(no.value), str(no.value)
+    assert not rw.is_fsdp2_model(model)
+
+
+def test_an_encoders_one_stack_of_blocks_is_refused() -> None:
+    from rankwise._fsdp import decoder_layers
+
+    model = _non_causal("bert")
+    model._no_split_modules = ["BertLayer"]  # only the blocks named: still an encoder's
+    with pytest.raises(RuntimeError, match=r"encoder\.layer.*an encoder's"):
+        decoder_layers(model)
+
+
+def test_without_a_process_group_it_says_it_needs_one() -> None:
+    """torch's own words were "env:// ... RANK expected"."""
+    with pytest.raises(RuntimeError, match=r"fsdp2_wrap: .*needs a process group") as no:
+        rw.fsdp2_wrap(build("llama"))
+    assert "distributed_run" in str(no.value)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_off_dtype_params_go_to_the_shards_device_on_a_machine_with_cuda(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They went to cuda:current_device() whenever CUDA existed, not where the shards are, so
+    a gloo/CPU mesh on a GPU machine failed at the first forward."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, CPU mesh
+    model = build("moe")
+    rw.fsdp2_wrap(model)
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            assert param.device.type == "cpu", name
