@@ -467,19 +467,26 @@ def _shown_label(label: str) -> str:
     return f"{shown[:80]}...{shown[-30:]} ({len(label)} characters, #{digest})"
 
 
+def shown(value: object) -> str:
+    """`value`'s repr for a message, whatever its repr does (even raise an exit), cut short
+    when long: an argument is named before the exchange, where nothing may escape."""
+    try:
+        text = repr(value)
+    except BaseException:
+        text = f"<a {type(value).__name__} whose repr raised>"
+    if len(text) > LABEL_SHOWN_MAX:
+        text = f"{text[:80]}...{text[-30:]} (a repr of {len(text)} characters)"
+    return text
+
+
 def _call_of(kind: str, label: object) -> tuple[Call, TypeError | None]:
     """The call `kind(label)`, and the error for a label that is not a str (the call is then
     named by the label's repr, and still joins the exchange so its peers raise too)."""
     if isinstance(label, str):  # a subclass as the str it is: its own repr may not work
         return Call(kind, str.__str__(label)), None
-    try:
-        shown = repr(label)
-    except Exception:
-        shown = f"<a {type(label).__name__} whose repr raised>"
-    if len(shown) > LABEL_SHOWN_MAX:
-        shown = f"{shown[:80]}...{shown[-30:]} (a repr of {len(shown)} characters)"
-    error = TypeError(f"{kind}: label must be a str naming the collective; got {shown}")
-    return Call(kind, shown, f"{kind}({shown})"), error
+    shown_label = shown(label)
+    error = TypeError(f"{kind}: label must be a str naming the collective; got {shown_label}")
+    return Call(kind, shown_label, f"{kind}({shown_label})"), error
 
 
 def as_index(value: object) -> int | None:
@@ -489,14 +496,14 @@ def as_index(value: object) -> int | None:
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
+    except BaseException:  # even an exit from a __index__: refused on its rank, never escaped
         return None
 
 
 def _src_error(call: Call, src: object, world: int) -> Exception | None:
     index = as_index(src)
     if index is None:
-        return TypeError(f"{call.text}: src must be an int rank; got {src!r}")
+        return TypeError(f"{call.text}: src must be an int rank; got {shown(src)}")
     if not 0 <= index < world:
         return ValueError(
             f"{call.text}: src={src} is not a rank of this run of {world}; use 0..{world - 1}"

@@ -27,6 +27,7 @@ from rankwise._collectives import (
     peers_answering,
     raise_for_failures,
     raise_if_disagreeing,
+    shown,
     single_process,
 )
 from rankwise._launch import is_initialized, rank
@@ -51,7 +52,7 @@ def gather_bytes(
     a RuntimeError naming it, and ranks that disagree all raise a ValueError naming the values.
     """
     dst, chunk_bytes = as_rank(dst), as_rank(chunk_bytes)
-    call = Call("gather_bytes", "", f"gather_bytes(dst={dst!r})")
+    call = Call("gather_bytes", "", f"gather_bytes(dst={shown(dst)})")
     view: memoryview | bytes = b""
     error: BaseException | None = None
     try:
@@ -73,7 +74,7 @@ def gather_state_dicts(
     empty. A payload that would run code when loaded is refused, never run.
     """
     dst = as_rank(dst)
-    call = Call("gather_state_dicts", "", f"gather_state_dicts(dst={dst!r})")
+    call = Call("gather_state_dicts", "", f"gather_state_dicts(dst={shown(dst)})")
     error: BaseException | None = None
     blob = b""
     try:
@@ -106,7 +107,7 @@ def _decode_each(what: str, blobs: list[bytearray], members: list[int]) -> Itera
 
 def _check_chunk(what: str, chunk_bytes: int) -> None:
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"{what}: chunk_bytes must be a positive int; got {chunk_bytes!r}")
+        raise ValueError(f"{what}: chunk_bytes must be a positive int; got {shown(chunk_bytes)}")
     if chunk_bytes > _INT64_MAX:
         raise ValueError(
             f"{what}: chunk_bytes={chunk_bytes} is past 2**63 - 1; pass at most that (no "
@@ -188,7 +189,8 @@ def _entry(data: memoryview | bytes, error: BaseException | None, dst: Any, chun
 def _check_dst(what: str, dst: int, members: list[int]) -> None:
     if isinstance(dst, bool) or not isinstance(dst, int) or dst not in members:
         raise ValueError(
-            f"{what}: dst must be the global rank of a member of the group ({members}); got {dst!r}"
+            f"{what}: dst must be the global rank of a member of the group ({members}); "
+            f"got {shown(dst)}"
         )
 
 

@@ -429,3 +429,33 @@ def _numpy_arguments() -> Any:
 
     rank = dist.get_rank()
     return rw.gather_bytes(b"r%d" % rank, dst=np.int64(0), chunk_bytes=np.int32(1))
+
+
+class _ExitingRepr:
+    """An argument whose repr (and __index__) raise a BaseException: named before the
+    exchange, it escaped on its rank and left the peers waiting."""
+
+    def __repr__(self) -> str:
+        raise KeyboardInterrupt
+
+    def __index__(self) -> int:
+        raise SystemExit(3)
+
+
+def _odd_argument_on_rank_1(call: str) -> Any:
+    odd: Any = _ExitingRepr() if dist.get_rank() == 1 else 0
+    try:
+        if call == "gather_bytes":
+            return rw.gather_bytes(b"x", dst=odd)
+        return rw.broadcast_from("x", lambda: 1, src=odd)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return f"escaped: {type(exc).__name__}"
+
+
+@pytest.mark.parametrize("call", ["gather_bytes", "broadcast_from"])
+def test_an_argument_whose_repr_exits_leaves_no_peer_waiting(run_on_ranks: Any, call: str) -> None:
+    out = run_on_ranks(_odd_argument_on_rank_1, call, world_size=3, timeout=BOUND_S)
+    assert out.endings == [E, E, E], out.report()
+    assert "whose repr raised" in out[1].message, out[1].message
+    for r in (0, 2):
+        assert out[r].origin_rank == 1, out[r].message
