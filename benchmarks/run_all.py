@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import adopt, collectives, compute, harness_overhead, plots, suite
+from benchmarks import adopt, collectives, compute, harness_overhead, plots, suite, wire
 from benchmarks._common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -44,6 +44,9 @@ def main() -> int:
     section, rows = collectives.main()
     lines += section
     plots.gather_plot(rows)
+    _write(lines)
+    print("measuring the sender's cost of a value that travels...", flush=True)
+    lines += wire.main()
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
     _write(lines)
     print("\n".join(lines))
