@@ -73,5 +73,5 @@ pytest_plugins = [
     "harness.simulate",
     "harness.adopt",
     "harness.spawning",
-    "harness.launched_reports",
+    "harness.launched.reports",
 ]

@@ -30,10 +30,11 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import adopt_rank, rank_warnings, runner
+from harness import rank_warnings, runner
 from harness.errors import SpecError
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
+from harness.rank import adopted
 from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
 
 TORCH_BASES = "torch.testing._internal.common_distributed"
@@ -240,7 +241,7 @@ def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> 
         _entry_kwargs(cls, case),
     )
     spec = adopted_spec(item, int(case.world_size))
-    _run_and_judge(item, spec, adopt_rank.run_multiprocess_case, args)
+    _run_and_judge(item, spec, adopted.run_multiprocess_case, args)
 
 
 def _entry_kwargs(cls: type, case: Any) -> dict[str, Any]:
@@ -288,7 +289,7 @@ def _run_continuous_case(item: pytest.Item, case: Any) -> None:
     world_size = cls._harness_world_size
     with _rendezvous_file() as rdvz:
         args = (runner.function_target(cls), case.id(), rdvz, world_size)
-        _run_and_judge(item, adopted_spec(item, world_size), adopt_rank.run_continuous_case, args)
+        _run_and_judge(item, adopted_spec(item, world_size), adopted.run_continuous_case, args)
 
 
 @contextlib.contextmanager
@@ -358,7 +359,7 @@ def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutc
     if key in loaded:
         return []
     load_spec = replace(spec, timeout_s=max(spec.timeout_s, START_TIMEOUT_S))
-    target = runner.function_target(adopt_rank.load)
+    target = runner.function_target(adopted.load)
     outcomes = runner.run(item.config, load_spec, target, encode_args((case,), {}))
     if all(o.ok for o in outcomes):
         loaded.add(key)
@@ -377,7 +378,7 @@ def as_skip(outcome: RankOutcome) -> RankOutcome:
     """A rank process that ended with one of torch's skip statuses skipped, with its reason."""
     if outcome.ending is not Ending.HARD_EXIT or outcome.exit_code is None:
         return outcome
-    reason = adopt_rank.skip_messages().get(outcome.exit_code)
+    reason = adopted.skip_messages().get(outcome.exit_code)
     return outcome if reason is None else replace(outcome, ending=Ending.SKIPPED, message=reason)
 
 

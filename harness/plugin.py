@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from harness import launched_hooks, rank_made, runner, settings
+from harness import made_in_ranks, runner, settings
 from harness.errors import SpecError
 from harness.faults import Fault
+from harness.launched import hooks as launched_hooks
 from harness.protocol import RankSpec
 
 _spec_key = pytest.StashKey[RankSpec]()
@@ -116,14 +117,14 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     if gpu or (spec is not None and spec.backend == "nccl"):
         runner.skip_without_gpus(spec.world_size if spec is not None else 1)
     if spec is not None:
-        rank_made.remember(item)
+        made_in_ranks.remember(item)
     return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_fixture_setup(fixturedef: Any, request: Any) -> object | None:
     """A fixture that uses a rank's own fixtures is made in each rank, not here."""
-    return rank_made.skip_in_pytest(fixturedef, request)
+    return made_in_ranks.skip_in_pytest(fixturedef, request)
 
 
 # ---- running -------------------------------------------------------------------------------

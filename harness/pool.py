@@ -106,7 +106,7 @@ class _Slot:
     """One rank process and the files it writes."""
 
     def __init__(self, ctx: Any, rank: int, workdir: Path) -> None:
-        from harness import worker
+        from harness.rank import worker
 
         self.rank = rank
         self.files = RankFiles.in_dir(workdir, rank)
@@ -582,7 +582,7 @@ def _context(start_method: str) -> Any:
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         _socket_dir_short_enough()
-        ctx.set_forkserver_preload(["harness.worker", "harness.forkserver_guard"])
+        ctx.set_forkserver_preload(["harness.rank.worker", "harness.rank.forkserver_guard"])
     return ctx
 
 

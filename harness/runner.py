@@ -20,7 +20,7 @@ from _pytest.outcomes import Failed
 
 from harness import expect as expectations
 from harness import faults as fault_specs
-from harness import rank_made, rank_warnings
+from harness import made_in_ranks, rank_warnings
 from harness.errors import SpecError
 from harness.faults import Fault
 from harness.hygiene import CHECKS
@@ -208,7 +208,7 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
     """
     kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
     state = dict(vars(item.instance)) if item.instance is not None else None
-    fixtures = rank_made.plan(item, lambda name, depth: _dependency(item, name, depth))
+    fixtures = made_in_ranks.plan(item, lambda name, depth: _dependency(item, name, depth))
     class_state = class_changes(item.cls) if item.cls is not None else None
     try:
         return encode_args((), kwargs, state, fixtures, class_state)
@@ -288,7 +288,7 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
         from _pytest.logging import get_log_level_for_setting
 
         return get_log_level_for_setting(item.config, "log_level")
-    if name in RANK_SIDE_FIXTURES and rank_made.is_builtin(_definition(item, name)):
+    if name in RANK_SIDE_FIXTURES and made_in_ranks.is_builtin(_definition(item, name)):
         return None  # the rank makes its own
     return item.funcargs[name]  # a project's own fixture, even one named `device`
 
@@ -657,7 +657,7 @@ class RankRunner:
             self._config, settings, self._node, world_size, timeout, launch, backend, faults
         )
         if settings.launched is not None and self._node is not None:
-            from harness import launched_hooks
+            from harness.launched import hooks as launched_hooks
 
             outcomes = launched_hooks.run_call(self._config, self._node, spec, fn, args, kwargs)
             rank_warnings.reemit(outcomes)

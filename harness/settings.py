@@ -166,7 +166,7 @@ def _default_backend(launched: Launch | None) -> Backend:
     imported at configure time)."""
     if launched is None:
         return "gloo"
-    from harness.launched import auto_backend
+    from harness.launched.session import auto_backend
 
     return cast(Backend, auto_backend(launched))
 

@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 
-from harness import adopt_rank, pool, rank_warnings, runner
+from harness import pool, rank_warnings, runner
 from harness.errors import SpecError, invalid
 from harness.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.protocol import RankSpec, Target, encode_args
+from harness.rank import adopted
 from harness.settings import settings_of, timeout_for
 
 # What a spawned or pooled rank is checked for afterwards: threads and processes that would
@@ -270,7 +271,7 @@ def spawn(
         runxfail=settings.runxfail,
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
-    target = runner.function_target(adopt_rank.run_spawned)
+    target = runner.function_target(adopted.run_spawned)
     context = SpawnContext(lambda: runner.run(config, spec, target, blob), spec.timeout_s)
     if not join:
         body = next((i for i in reversed(_calling) if i.config is config), None)
@@ -497,7 +498,7 @@ class RankPool:
             (_target(fn, "rank_pool.run"), args, kwargs),
             {"rank": None, "world_size": None},
         )
-        target = runner.function_target(adopt_rank.run_pooled)
+        target = runner.function_target(adopted.run_pooled)
         outcomes = runner.run(self._config, self._spec, target, blob)
         rank_warnings.reemit(outcomes)
         report = failure_text(outcomes) or runner.leftovers_text(outcomes)

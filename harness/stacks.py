@@ -96,7 +96,7 @@ def _source_of(frame_line: str) -> list[str]:
 @cache
 def _worker_file() -> str:
     """The rank entry point's own file, found without importing it (it imports torch)."""
-    spec = importlib.util.find_spec("harness.worker")
+    spec = importlib.util.find_spec("harness.rank.worker")
     assert spec is not None and spec.origin is not None
     return spec.origin
 

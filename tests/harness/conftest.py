@@ -82,4 +82,4 @@ import torch.distributed.fsdp  # noqa: E402
 import torch.distributed.tensor  # noqa: E402,F401
 
 import harness.pool  # noqa: E402
-import harness.worker  # noqa: E402,F401
+import harness.rank.worker  # noqa: E402,F401

@@ -43,7 +43,7 @@ def test_a_hang_is_reported_with_stacks_and_the_session_goes_on(inner: pytest.Py
             "*rank 0 (pid *): hung in barrier [[]collateral[]]*",
         ]
     )
-    result.stdout.no_fnmatch_line("*harness/worker.py*")
+    result.stdout.no_fnmatch_line("*harness/rank/worker.py*")
     assert_all_gone(read_pids(inner.path))
 
 

@@ -184,7 +184,7 @@ def test_a_rank_without_the_kept_group_gets_every_rank_a_fresh_one(inner: pytest
         GROUPS
         + """
 def lose_the_group_before_the_next_test():  # as if something took it away between tests
-    from harness import kept_group
+    from harness.rank import kept_group
     real = kept_group.reusable
     def once(group_id):
         kept_group.reusable = real

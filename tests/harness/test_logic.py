@@ -153,7 +153,7 @@ def test_a_group_a_release_thread_is_still_freeing_is_not_taken_for_held() -> No
     import threading
     import weakref
 
-    from harness import group_release
+    from harness.rank import group_release
 
     class Group:  # stands for a gloo group: weakly referenced, freed by a release thread
         pass

@@ -778,7 +778,7 @@ def test_an_env_rendezvous_gets_the_prefix_it_is_given_until_undone(
 
     import torch.distributed as dist
 
-    from harness.launched_rendezvous import give_each_set_up_its_keys
+    from harness.launched.rendezvous import give_each_set_up_its_keys
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

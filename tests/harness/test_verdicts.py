@@ -357,7 +357,7 @@ def test_sys_exit_shows_where_it_was_called(inner: pytest.Pytester) -> None:
             "SystemExit: 3",
         ]
     )
-    result.stdout.no_fnmatch_line("*harness/worker.py*")
+    result.stdout.no_fnmatch_line("*harness/rank/worker.py*")
 
 
 def test_hang_stacks_show_each_frames_source_line(inner: pytest.Pytester) -> None:
@@ -460,7 +460,7 @@ BREAKS_THEN_CHECKS = {
 
 RANK_FILE_CLOSER = """
 import os
-from harness import worker
+from harness.rank import worker
 
 def close_descriptors_of(fd_file, keep):
     for name in os.listdir("/proc/self/fd"):

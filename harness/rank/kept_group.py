@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import group_release
 from harness.outcome import Messages
+from harness.rank import group_release
 
 
 @dataclass

@@ -9,7 +9,7 @@ rank, and talks to the other ranks through the launch's store (every wait bounde
   the same verdict; only rank 0 prints it and writes junit, the others are quiet;
 - at the end, on one exit status.
 
-A rank that hangs or dies cannot be replaced in-process: ``launched_watch`` reports it and
+A rank that hangs or dies cannot be replaced in-process: ``watch`` reports it and
 the session ends there. Imported only in a launched session (it imports torch).
 """
 
@@ -32,11 +32,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import group_release
 from harness.launch_detect import Launch
-from harness.launched_store import Peers
-from harness.launched_watch import Watch
+from harness.launched.store import Peers
+from harness.launched.watch import Watch
 from harness.outcome import Ending, RankOutcome
+from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
@@ -275,7 +275,7 @@ class LaunchedSession:
 
     def own_group_prefix(self) -> str:
         """The store prefix of the next group the current test sets up from torchrun's
-        environment (see launched_rendezvous): the test and how many came before."""
+        environment (see rendezvous.py): the test and how many came before."""
         assert self.peers is not None
         self.own_groups += 1
         return f"{self.peers.prefix}/own_groups/t{self.index}/{self.own_groups}"
@@ -536,7 +536,7 @@ def _quiet(config: pytest.Config) -> Any:
     if reporter is not None:
         real = reporter._tw
         reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the session's
-    # Report files are off here already (launched_reports), unless the harness was loaded
+    # Report files are off here already (reports.py), unless the harness was loaded
     # after pytest configured its junit writer (from a conftest's pytest_plugins).
     with contextlib.suppress(ImportError):
         from _pytest.junitxml import xml_key

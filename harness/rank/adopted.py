@@ -25,7 +25,7 @@ endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 
 def find(target: Target) -> Any:
     """The class or function `target` names, from its module as the worker loads it."""
-    from harness import worker
+    from harness.rank import worker
 
     holder: Any = worker._load_module(target.module, target.file)
     for part in target.qualname.split("."):

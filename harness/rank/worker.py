@@ -41,18 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import (
-    endings,
-    environment,
-    group_release,
-    hygiene,
-    kept_group,
-    rank_logs,
-    rank_state,
-    rank_stdin,
-    rank_warnings,
-    reaper,
-)
+from harness import endings, environment, hygiene, rank_warnings, reaper
 from harness.faults import Fault, Injector, rankwise_points
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome, exit_code
@@ -74,7 +63,8 @@ from harness.protocol import (
     decode_args,
     encode_where,
 )
-from harness.rank_fixtures import RankFixtures
+from harness.rank import group_release, kept_group, logs, state, stdin
+from harness.rank.fixtures import RankFixtures
 from harness.torchrun_env import torchrun_env
 
 endings.skip_frames_of(__file__)
@@ -92,16 +82,16 @@ def main(conn: Any, files: RankFiles) -> None:
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
     _redirect_output(files)
-    rank_logs.use_file(files.log)
+    logs.use_file(files.log)
     _watch_stacks(files.stacks)
     where = _WhereBoard(str(files.where))
     where.install()
     kept_group.watch_operations()
     group_release.watch_made_groups()
-    rank_stdin.install(lambda: _serving_rank)
+    stdin.install(lambda: _serving_rank)
     global _baseline, _worker_pid
     _worker_pid = os.getpid()
-    _baseline = rank_state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
+    _baseline = state.take(skip_signals=(DUMP_STACKS_SIGNAL,))
     gc.freeze()  # what the rank starts with (torch) is never garbage: no collection walks it
     conn.send(Message(Kind.READY, Ready(os.getpid())))
     while True:
@@ -115,7 +105,7 @@ def main(conn: Any, files: RankFiles) -> None:
                 _teardown_group()  # peers still waiting on this rank fail now
             _settle(conn, message.payload.key, check=dropped)
             continue
-        rank_logs.empty()  # its output files the pytest side empties before sending the task
+        logs.empty()  # its output files the pytest side empties before sending the task
         outcome = _serve(message.payload)
         _end_if_a_forked_copy(None)  # one made in a fixture's teardown, say: it never reports
         _flush()
@@ -151,7 +141,7 @@ def _draw_own_random_numbers() -> None:
     passed with no averaging). A test that seeds its generators is not affected. ~20 us."""
     seed = int.from_bytes(os.urandom(8), "little")
     torch.default_generator.manual_seed(seed)
-    if rank_state.cuda_device() is not None:  # CUDA in use here
+    if state.cuda_device() is not None:  # CUDA in use here
         torch.cuda.manual_seed_all(seed)
     random.seed(seed)
     numpy = sys.modules.get("numpy")
@@ -189,7 +179,7 @@ def _die_with_parent() -> None:
 def _default_ending_signals() -> None:
     """SIGTERM and SIGHUP as in any new process: a rank is forked with the handlers the
     fork server set for itself (forkserver_guard), which kill the caller's whole tree."""
-    guard = sys.modules.get("harness.forkserver_guard")
+    guard = sys.modules.get("harness.rank.forkserver_guard")
     for signum in getattr(guard, "ENDING_SIGNALS", ()):
         if signal.getsignal(signum) is getattr(guard, "_end_with_the_tree", None):
             signal.signal(signum, signal.SIG_DFL)
@@ -218,13 +208,13 @@ def _redirect_output(files: RankFiles) -> None:
 
     Opened O_APPEND: the pytest side empties them before each task, and the rank's next
     write then lands at the start. fds 1 and 2 are restored after every test (from
-    rank_state's copies).
+    state.py's copies).
     """
     for target, path in ((1, files.stdout), (2, files.stderr)):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
         os.dup2(fd, target)
         os.close(fd)
-    sys.stdout, sys.stderr = rank_state.open_streams()
+    sys.stdout, sys.stderr = state.open_streams()
 
 
 def _watch_stacks(path: Path) -> None:
@@ -234,7 +224,7 @@ def _watch_stacks(path: Path) -> None:
     # Never closed by the object: a test may have closed an earlier one's fd, whose number
     # can belong to something else by now.
     _stack_file = open(fd, "a", closefd=False)  # noqa: SIM115 - must outlive this frame
-    _stack_path, _stack_id = path, rank_state.file_id(fd)
+    _stack_path, _stack_id = path, state.file_id(fd)
     faulthandler.register(DUMP_STACKS_SIGNAL, file=_stack_file, all_threads=True)
 
 
@@ -244,7 +234,7 @@ def _stacks_still_watched() -> bool:
     if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:
         return False
     try:
-        return rank_state.file_id(_stack_file.fileno()) == _stack_id
+        return state.file_id(_stack_file.fileno()) == _stack_id
     except (OSError, ValueError):
         return False
 
@@ -286,7 +276,7 @@ def _serve(task: RunTask) -> RankOutcome:
     global _serving_rank
     _serving_rank = task.rank
     saved_env = environment.snapshot()
-    cuda_device = rank_state.cuda_device()
+    cuda_device = state.cuda_device()
     outcome, test_env = _run_task(task)
     try:
         environment.restore(saved_env if test_env is None else test_env)
@@ -329,7 +319,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
             with (
-                rank_logs.capturing(task.spec.log_capture),
+                logs.capturing(task.spec.log_capture),
                 Injector(task.rank, call.faults).installed() as injector,
                 rank_warnings.stray_exceptions(task.spec.stray_warnings) as stray,
             ):
@@ -388,7 +378,7 @@ def _xfail_as_pytest_has_it(runxfail: bool) -> None:
     pytest.xfail = _no_op_xfail if runxfail else _real_xfail  # type: ignore[assignment]
 
 
-_baseline: rank_state.Baseline | None = None
+_baseline: state.Baseline | None = None
 _serving_rank = -1  # the rank of the task this process serves now
 _worker_pid = 0  # this rank's own pid (a forked copy of it has another)
 _stack_file: Any = None
@@ -397,9 +387,9 @@ _stack_id: tuple[int, int] = (0, 0)
 
 
 def _restore(cuda_device: int | None) -> None:
-    """Undo what the test did to this process (see rank_state), so the next test is not hurt."""
+    """Undo what the test did to this process (see state.py), so the next test is not hurt."""
     if _baseline is not None:
-        rank_state.restore(_baseline, cuda_device)
+        state.restore(_baseline, cuda_device)
     if _stack_path is not None and not _stacks_still_watched():
         signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)  # Python's view: no handler
         faulthandler.unregister(DUMP_STACKS_SIGNAL)  # else register keeps what it thinks it has
@@ -434,7 +424,7 @@ def _enter_test_context(task: RunTask) -> None:
     spec = task.spec
     global _assert_verbosity
     _assert_verbosity = spec.assert_verbosity
-    if spec.threads is not None:  # restored after the test (rank_state)
+    if spec.threads is not None:  # restored after the test (state.py)
         torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(task.device))

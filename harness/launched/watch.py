@@ -23,13 +23,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from harness.launched_store import HEARTBEAT_S
+from harness.launched.store import HEARTBEAT_S
 from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
 
 if TYPE_CHECKING:
-    from harness.launched import LaunchedSession
-    from harness.launched_store import Peers
+    from harness.launched.session import LaunchedSession
+    from harness.launched.store import Peers
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
 # (torchrun allows 30 s between its SIGTERM and its SIGKILL).
@@ -179,7 +179,7 @@ class Watch:
         _exit(session, 1)
 
     def _report(self, why: str, hung_key: str | None) -> None:
-        from harness.launched import loud
+        from harness.launched.session import loud
 
         session = self._session
         if hung_key is not None:
@@ -233,10 +233,10 @@ def _exit(session: LaunchedSession, status: int) -> None:
 def _stacks() -> str:
     """Every thread's Python stack, also of a thread blocked in a C++ collective, from the
     test's frames up."""
-    from harness import launched_test
+    from harness.launched import body
 
     with tempfile.TemporaryFile("w+") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
         text = f.read()
-    return trim_in_process(text, launched_test.__file__, (__file__, "/launched.py"))
+    return trim_in_process(text, body.__file__, (__file__, "/launched.py"))

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from harness import endings, environment, hygiene, rank_warnings, reaper, runner
 from harness.faults import Injector
-from harness.launched import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
-from harness.launched_watch import HangTimer, Where
+from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
+from harness.launched.watch import HangTimer, Where
 from harness.outcome import Ending, RankOutcome, ranks_phrase
 from harness.protocol import RankSpec
 

@@ -24,7 +24,7 @@ from harness.protocol import RankSpec
 from harness.settings import settings_of, timeout_for
 
 if TYPE_CHECKING:
-    from harness.launched import LaunchedSession
+    from harness.launched.session import LaunchedSession
 
 
 # The launched session of this process, for the one hook pytest gives no config (internalerror).
@@ -38,7 +38,7 @@ def active(config: pytest.Config) -> bool:
 def _session(config: pytest.Config) -> LaunchedSession | None:
     if not active(config):
         return None
-    from harness.launched import session_of
+    from harness.launched.session import session_of
 
     return session_of(config)
 
@@ -51,7 +51,7 @@ def configure(config: pytest.Config, launch: Launch) -> None:
             f"{launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's workers "
             f"would each run the tests as another set of ranks"
         )
-    from harness.launched import start
+    from harness.launched.session import start
 
     _launched_sessions.append(start(config, launch, settings_of(config).backend))
 
@@ -63,7 +63,7 @@ def session_start(session: pytest.Session) -> None:
     from harness import faults
 
     launched.connect()
-    from harness.launched_rendezvous import give_each_set_up_its_keys
+    from harness.launched.rendezvous import give_each_set_up_its_keys
 
     launched.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
     launched.watch.install()
@@ -79,7 +79,7 @@ def collection_finish(session: pytest.Session, specs: Sequence[RankSpec]) -> Non
     if isinstance(stopping, (KeyboardInterrupt, Exit)):
         ended_early(stopping)  # a conftest hook ended the session here: the peers follow
         return
-    from harness.launched import GROUP_TIMEOUT_MARGIN_S
+    from harness.launched.session import GROUP_TIMEOUT_MARGIN_S
 
     longest = max((spec.timeout_s for spec in specs), default=0.0)
     launched.group_timeout_s = longest + GROUP_TIMEOUT_MARGIN_S
@@ -91,12 +91,12 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     up on every rank and start its body only where every rank did."""
     launched = _session(item.config)
     assert launched is not None
-    from harness import launched_test
+    from harness.launched import body
 
-    reason = launched_test.skip_reason(launched, spec, gpu_marked)
+    reason = body.skip_reason(launched, spec, gpu_marked)
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
-    launched_test.before_set_up(item, launched, spec)
+    body.before_set_up(item, launched, spec)
     if launched.peers is not None:  # a test bounded longer than the session's default
         launched.peers.silent_elsewhere_s = max(launched.peers.silent_elsewhere_s, spec.timeout_s)
     try:
@@ -105,9 +105,9 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
         ended_early(exc)  # the session ends here: no set-up to agree on, the peers follow
         raise
     except BaseException as exc:
-        launched_test.agree_on_set_up(item, launched, spec, exc)
+        body.agree_on_set_up(item, launched, spec, exc)
         raise
-    launched_test.agree_on_set_up(item, launched, spec, None)
+    body.agree_on_set_up(item, launched, spec, None)
     return result
 
 
@@ -139,7 +139,7 @@ def internal_error(text: str) -> None:
     """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
     launched = _launched_sessions[-1] if _launched_sessions else None
     if launched is not None and launched.real_writer is not None:
-        from harness.launched import loud
+        from harness.launched.session import loud
 
         loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{text}")
 
@@ -366,10 +366,10 @@ def run_call(
 ) -> Any:
     launched = _session(config)
     assert launched is not None
-    from harness import launched_test
+    from harness.launched import body
 
     try:
-        return launched_test.run_call(launched, node, spec, fn, args, kwargs)
+        return body.run_call(launched, node, spec, fn, args, kwargs)
     finally:
         launched.watch.reinstall()
 
@@ -377,10 +377,10 @@ def run_call(
 def run(item: pytest.Function, spec: RankSpec) -> None:
     launched = _session(item.config)
     assert launched is not None
-    from harness import launched_test
+    from harness.launched import body
 
     try:
-        launched_test.run(item, launched, spec)
+        body.run(item, launched, spec)
     finally:
         launched.watch.reinstall()  # after a test that took SIGTERM for itself
 
