@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import rank_warnings, runner
+from harness import packing, rank_warnings, ranks, runner
 from harness.errors import SpecError
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
@@ -235,7 +235,7 @@ def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> 
         return
     name = case._current_test_name
     args = (
-        runner.function_target(cls),
+        packing.function_target(cls),
         name() if callable(name) else name,
         case.file_name,
         _entry_kwargs(cls, case),
@@ -288,7 +288,7 @@ def _run_continuous_case(item: pytest.Item, case: Any) -> None:
     cls = type(case)
     world_size = cls._harness_world_size
     with _rendezvous_file() as rdvz:
-        args = (runner.function_target(cls), case.id(), rdvz, world_size)
+        args = (packing.function_target(cls), case.id(), rdvz, world_size)
         _run_and_judge(item, adopted_spec(item, world_size), adopted.run_continuous_case, args)
 
 
@@ -337,8 +337,10 @@ def _run_and_judge(
     with runner.pytest_timeout_paused(item):
         outcomes = _load_once(item, spec, case)
         if all(o.ok for o in outcomes):
-            target = runner.function_target(entry)
-            outcomes = runner.run(item.config, spec, target, encode_args(args, {"rank": None}))
+            target = packing.function_target(entry)
+            outcomes = ranks.on_warm_ranks(
+                item.config, spec, target, encode_args(args, {"rank": None})
+            )
     rank_warnings.reemit(outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
@@ -353,14 +355,14 @@ def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutc
     """
     from harness.pool import START_TIMEOUT_S, PoolKey
 
-    pool = runner.pools_of(item.config).get(PoolKey.of(spec))
+    pool = ranks.pools_of(item.config).get(PoolKey.of(spec))
     key = (tuple(pool.pids), case.module)
     loaded = _session(item.config).loaded
     if key in loaded:
         return []
     load_spec = replace(spec, timeout_s=max(spec.timeout_s, START_TIMEOUT_S))
-    target = runner.function_target(adopted.load)
-    outcomes = runner.run(item.config, load_spec, target, encode_args((case,), {}))
+    target = packing.function_target(adopted.load)
+    outcomes = ranks.on_warm_ranks(item.config, load_spec, target, encode_args((case,), {}))
     if all(o.ok for o in outcomes):
         loaded.add(key)
     return outcomes

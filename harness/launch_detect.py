@@ -1,6 +1,7 @@
 """Is this pytest process one rank of a job another launcher (torchrun) started?
 
-Imports no torch: the plugin asks at configure time, before any test needs ranks.
+Imports no torch (``auto_backend`` does, called for a detected launch only): the plugin
+asks at configure time, before any test needs ranks.
 """
 
 from __future__ import annotations
@@ -80,3 +81,14 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         return int(str(text))
     except ValueError:
         raise LaunchError(f"{name}={text!r} is not an integer: {_FIX}") from None
+
+
+def auto_backend(launch: Launch) -> str:
+    """nccl where this rank has its GPU (cuda:LOCAL_RANK, or the one GPU the launcher made
+    visible to it), gloo otherwise. Imports torch: called only for a detected launch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "gloo"
+    count = torch.cuda.device_count()
+    return "nccl" if count > launch.local_rank or count == 1 else "gloo"

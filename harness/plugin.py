@@ -11,14 +11,12 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, runner, settings
+from harness import made_in_ranks, packing, ranks, runner, settings
 from harness.errors import SpecError
 from harness.faults import Fault
-from harness.launched import hooks as launched_hooks
 from harness.protocol import RankSpec
-
-_spec_key = pytest.StashKey[RankSpec]()
-_spec_error_key = pytest.StashKey[str]()
+from harness.ranks import ranks_of
+from harness.settings import SPEC_ERROR_KEY, SPEC_KEY
 
 MARKERS = (
     "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False): run the test "
@@ -56,13 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     launch = settings.configure(config).launched
-    if launch is not None:
-        launched_hooks.configure(config, launch)
+    if launch is not None:  # the one question asked: the launch's hooks then answer the rest
+        from harness.launched.hooks import LaunchedPlugin
 
-
-@pytest.hookimpl(tryfirst=True)  # before a conftest's: a pytest.exit() there reaches the peers
-def pytest_sessionstart(session: pytest.Session) -> None:
-    launched_hooks.session_start(session)
+        config.pluginmanager.register(LaunchedPlugin(config, launch), "harness-launched")
 
 
 # ---- collection ----------------------------------------------------------------------------
@@ -85,40 +80,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         stray = settings.stray_marker(item)
         if stray is not None:
-            item.stash[_spec_error_key] = stray
+            item.stash[SPEC_ERROR_KEY] = stray
         if item.get_closest_marker("ranks") is None or not isinstance(item, pytest.Function):
             continue
         try:
-            item.stash[_spec_key] = settings.spec_for(item, session_settings)
+            item.stash[SPEC_KEY] = settings.spec_for(item, session_settings)
         except SpecError as exc:
-            item.stash[_spec_error_key] = str(exc)
+            item.stash[SPEC_ERROR_KEY] = str(exc)
             continue
         if item.cls is not None:
-            runner.remember_class(item.cls)  # what setup_class adds later travels
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    specs = [item.stash[_spec_key] for item in session.items if _spec_key in item.stash]
-    launched_hooks.collection_finish(session, specs)
+            packing.remember_class(item.cls)  # what setup_class adds later travels
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    launched_hooks.begin(item)
-    error = item.stash.get(_spec_error_key, None)
+    error = item.stash.get(SPEC_ERROR_KEY, None)
     if error is not None:
         pytest.fail(error, pytrace=False)  # this test's error; the others run
-    spec = item.stash.get(_spec_key, None)
+    spec = item.stash.get(SPEC_KEY, None)
     gpu = item.get_closest_marker("gpu") is not None
-    if launched_hooks.active(item.config):
-        if spec is not None:
-            return (yield from launched_hooks.set_up(item, spec, gpu))
-        launched_hooks.plain_set_up(item)
-    if gpu or (spec is not None and spec.backend == "nccl"):
-        runner.skip_without_gpus(spec.world_size if spec is not None else 1)
-    if spec is not None:
-        made_in_ranks.remember(item)
-    return (yield)
+    return (yield from ranks_of(item.config).set_up(item, spec, gpu))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -134,7 +115,7 @@ def pytest_fixture_setup(fixturedef: Any, request: Any) -> object | None:
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """One timer for the body: the harness's, which kills the ranks and reports their stacks;
     pytest-timeout's still bounds the set-up and teardown around it."""
-    if _spec_key not in item.stash:
+    if SPEC_KEY not in item.stash:
         return (yield)
     with runner.pytest_timeout_paused(item):
         return (yield)
@@ -142,13 +123,10 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    spec = pyfuncitem.stash.get(_spec_key, None)
+    spec = pyfuncitem.stash.get(SPEC_KEY, None)
     if spec is None:
         return None
-    if launched_hooks.active(pyfuncitem.config):
-        launched_hooks.run(pyfuncitem, spec)
-    else:
-        runner.run_marked_test(pyfuncitem, spec)
+    runner.run_marked_test(pyfuncitem, spec)
     return True
 
 
@@ -160,11 +138,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "call":
         runner.refuse_xfail(item, report)
         runner.place_skip(item, report)
-    verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
-    if verdict_phase and _spec_key not in item.stash and launched_hooks.active(item.config):
-        launched_hooks.plain_verdict(item, report)
-    if call.when == "teardown" and launched_hooks.active(item.config):
-        launched_hooks.teardown_verdict(item, report)
     return report
 
 
@@ -183,8 +156,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every pool and make sure no rank process outlived the session."""
-    launched_hooks.session_finish(session)
-    left = runner.close_pools(session.config)
+    left = ranks.close_pools(session.config)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"harness: rank processes still alive at session end: {left}"
@@ -193,23 +165,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-    launched_hooks.ended_early(excinfo.value)
-
-
-def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
-    launched_hooks.internal_error(str(excrepr))
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    launched_hooks.terminal_summary(terminalreporter)
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
-    runner.close_pools(config)  # idempotent; covers an interrupted session
+    ranks.close_pools(config)  # idempotent; covers an interrupted session
     _sessions.discard(config)
     if not _sessions:  # the last in this process (pytester runs sessions inside another)
-        runner.stop_forkserver()
+        ranks.stop_forkserver()
 
 
 # ---- fixtures ------------------------------------------------------------------------------
@@ -241,7 +201,7 @@ class _OnlyInRanks:
 
 
 def _rank_spec(request: pytest.FixtureRequest, name: str) -> RankSpec:
-    spec = request.node.stash.get(_spec_key, None)
+    spec = request.node.stash.get(SPEC_KEY, None)
     if spec is None:
         raise pytest.UsageError(
             f"fixture {name!r} exists only in a test marked @pytest.mark.ranks; "
@@ -254,7 +214,7 @@ def _rank_spec(request: pytest.FixtureRequest, name: str) -> RankSpec:
 def rank(request: pytest.FixtureRequest) -> Any:
     """This rank's index in the test's world (0 .. world_size-1)."""
     _rank_spec(request, "rank")
-    here = launched_hooks.rank_here(request.config)
+    here = ranks_of(request.config).rank_here()
     return _OnlyInRanks("rank") if here is None else here
 
 
@@ -269,7 +229,7 @@ def device(request: pytest.FixtureRequest) -> Any:
     """This rank's torch.device: cpu with gloo, cuda:<rank> with nccl (cuda:<LOCAL_RANK>
     under torchrun)."""
     _rank_spec(request, "device")
-    here = launched_hooks.device_here(request.config)
+    here = ranks_of(request.config).device_here()
     return _OnlyInRanks("device") if here is None else here
 
 
@@ -283,9 +243,7 @@ def shared_tmp_path(
     def make() -> Path:
         return tmp_path_factory.mktemp(f"shared-ranks{spec.world_size}")
 
-    if launched_hooks.active(request.config):
-        return launched_hooks.shared_path(request, make, spec.timeout_s)  # rank 0's, everywhere
-    return make()
+    return ranks_of(request.config).shared_path(request, make, spec.timeout_s)
 
 
 @pytest.fixture

@@ -1,27 +1,24 @@
 """Running one test, or one run_on_ranks call, on its ranks and judging how every rank ended.
 
-Loaded with the plugin but imports no torch: ``harness.pool`` is imported when a test first
-needs ranks.
+The ranks are the session's (``ranks.ranks_of``: warm rank processes, or the launch's under
+torchrun); what follows a body (warnings, leftovers, output, the verdict) is written once,
+here. Loaded with the plugin; imports no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 from _pytest.outcomes import Failed
 
 from harness import expect as expectations
 from harness import faults as fault_specs
-from harness import made_in_ranks, rank_warnings
-from harness.errors import SpecError
+from harness import packing, rank_warnings
 from harness.faults import Fault
 from harness.hygiene import CHECKS
 from harness.outcome import (
@@ -32,21 +29,10 @@ from harness.outcome import (
     root_cause,
     set_up_failure_text,
 )
-from harness.protocol import (
-    RANK_SIDE_FIXTURES,
-    FixturePlan,
-    FixtureRecipe,
-    RankSpec,
-    RequestInfo,
-    Target,
-    encode_args,
-)
+from harness.protocol import RankSpec
+from harness.ranks import WarmRanks, ranks_of
 from harness.settings import settings_of, spec_for_call
 
-if TYPE_CHECKING:
-    from harness.pool import LiveStreams, Pools
-
-_pools_key = pytest.StashKey["Pools"]()
 _leftovers_key = pytest.StashKey[str]()
 # Set when a rank's fault never fired: the test is written wrong, which no xfail expects.
 _no_xfail_key = pytest.StashKey[bool]()
@@ -70,15 +56,18 @@ class HarnessError(Failed):  # pytest.fail's exception: reported with its messag
 
 
 def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
-    """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings."""
+    """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings:
+    the one sequence after a body, whichever ranks the session runs on."""
+    ranks = ranks_of(item.config)
     spec = with_fixture_faults(item, spec)
-    outcomes = run(item.config, spec, test_target(item), sendable_funcargs(item))
-    stop_if_a_rank_did(outcomes)
+    outcomes = ranks.run_test(item, spec)
+    stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
     _warn_of_replaced_ranks(item, outcomes)
     record_leftovers(item, outcomes)
-    attach_output(item, outcomes)
+    if ranks.reports_output:
+        attach_output(item, outcomes)
     judge(item, spec, outcomes)
 
 
@@ -146,235 +135,6 @@ def _fixture_faults(item: pytest.Function) -> Any:
     except Exception:  # another pytest's internals: ask pytest
         only_ours = False
     return [] if only_ours else item._request.getfixturevalue("rank_faults")
-
-
-def test_target(item: pytest.Function) -> Target:
-    """Where a rank finds the test function: its module, its file, its qualified name."""
-    module = item.module
-    assert module is not None
-    qualname = item.originalname
-    if item.cls is not None:
-        qualname = f"{item.cls.__qualname__}.{item.originalname}"
-    modules, packages = test_modules(module)
-    return Target(module.__name__, getattr(module, "__file__", None), qualname, modules, packages)
-
-
-Modules = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[str, ...]], ...]]
-
-
-def test_modules(test_module: object) -> Modules:
-    """The test and conftest modules loaded here, and the packages above them, so a rank can
-    import them by the names pytest gave them (with --import-mode=importlib, names that are
-    not importable from sys.path). Computed again only when modules were imported since, or
-    for another test module (an in-process pytester run may load as many, but others)."""
-    key = (len(sys.modules), id(test_module))
-    cached = _modules_cache.get(key)
-    if cached is not None:
-        return cached
-    modules = {
-        name: file
-        for name, module in list(sys.modules.items())
-        if isinstance(file := getattr(module, "__file__", None), str) and _is_test_file(file)
-    }
-    packages: dict[str, tuple[str, ...]] = {}
-    for name in modules:
-        parts = name.split(".")
-        for depth in range(1, len(parts)):
-            parent = ".".join(parts[:depth])
-            paths = getattr(sys.modules.get(parent), "__path__", None)
-            if paths is not None:
-                packages[parent] = tuple(str(p) for p in paths)
-    found = (tuple(sorted(modules.items())), tuple(sorted(packages.items())))
-    _modules_cache.clear()
-    _modules_cache[key] = found
-    return found
-
-
-_modules_cache: dict[tuple[int, int], Modules] = {}  # by module count and test module
-
-
-test_modules.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
-
-
-test_target.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
-
-
-def sendable_funcargs(item: pytest.Function) -> bytes:
-    """The test's arguments resolved here, encoded for the trip to the ranks.
-
-    Fixtures the ranks make for themselves travel as what they are built from. A value that
-    cannot travel fails the test naming its fixture; each value is pickled on its own only
-    then, to find it. A test class instance's attributes (set by setup_method) travel too.
-    """
-    kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
-    state = dict(vars(item.instance)) if item.instance is not None else None
-    fixtures = made_in_ranks.plan(item, lambda name, depth: _dependency(item, name, depth))
-    class_state = class_changes(item.cls) if item.cls is not None else None
-    try:
-        return encode_args((), kwargs, state, fixtures, class_state)
-    except Exception:
-        pass  # found below, outside this handler: the report shows the message alone
-    extra = fixtures.values if fixtures is not None else {}
-    params = {r.name: r.param for r in _recipes(fixtures) if r.has_param}
-    message = _unsendable(item, {**kwargs, **extra, **(state or {})}) or _unsendable(
-        item, params, " (its param)"
-    )
-    if message is not None:
-        pytest.fail(message, pytrace=False)
-    return encode_args((), kwargs, state, fixtures, class_state)  # no one value: pickle's error
-
-
-# Each rank test class's own attributes as collected: what a rank's import of it has.
-_class_bodies: dict[int, tuple[type, dict[str, Any]]] = {}
-
-
-def remember_class(cls: type) -> None:
-    """Note `cls`'s attributes before any setup_class runs (at collection)."""
-    if id(cls) not in _class_bodies:
-        _class_bodies[id(cls)] = (cls, dict(vars(cls)))
-
-
-def class_changes(cls: type) -> dict[str, Any] | None:
-    """The attributes set on `cls` since it was collected (by setup_class, a class-scoped
-    fixture) that can travel: a rank's own import of the class lacks them."""
-    known = _class_bodies.get(id(cls))
-    if known is None or known[0] is not cls:
-        return None
-    body = known[1]
-    changed = {k: v for k, v in vars(cls).items() if k not in body or body[k] is not v}
-    return {k: v for k, v in changed.items() if _pickles(v)} or None
-
-
-def _recipes(plan: FixturePlan | None) -> tuple[FixtureRecipe, ...]:
-    return plan.recipes if plan is not None else ()
-
-
-def _dependency(item: pytest.Function, name: str, depth: int) -> Any:
-    """What a fixture made in the ranks is called with, from a fixture made here: at depth 1
-    and beyond, the definition an override requests by its own name."""
-    if depth == 0:
-        return _sent_value(item, name)
-    fixturedef = _definition(item, name, depth)
-    return fixturedef.cached_result[0] if fixturedef.cached_result is not None else None
-
-
-# pytest's fixtures bound to the pytest process itself (its reports, cache, config, files).
-PYTEST_PROCESS_ONLY = (
-    "pytestconfig",
-    "cache",
-    "record_property",
-    "record_xml_attribute",
-    "record_testsuite_property",
-    "pytester",
-    "testdir",
-    "doctest_namespace",
-    "capteesys",
-)
-
-
-def _sent_value(item: pytest.Function, name: str) -> Any:
-    if name in PYTEST_PROCESS_ONLY:
-        pytest.fail(
-            f"fixture {name!r} of {item.nodeid} lives in the pytest process and cannot be used "
-            f"inside ranks: use it in a test without @pytest.mark.ranks (run_on_ranks returns "
-            f"each rank's value to record there)",
-            pytrace=False,
-        )
-    if name == "request":
-        return request_info(item)
-    if name in ("tmp_path", "tmpdir"):
-        return str(item.funcargs[name])  # each rank makes its own directory below it
-    if name == "caplog":  # the level pytest captures at (--log-level, ini log_level)
-        from _pytest.logging import get_log_level_for_setting
-
-        return get_log_level_for_setting(item.config, "log_level")
-    if name in RANK_SIDE_FIXTURES and made_in_ranks.is_builtin(_definition(item, name)):
-        return None  # the rank makes its own
-    return item.funcargs[name]  # a project's own fixture, even one named `device`
-
-
-def _definition(item: pytest.Function, name: str, depth: int = 0) -> Any:
-    """The fixture definition `name` means for `item` (depth 0), or the one an override at
-    depth - 1 requests by its own name; None where pytest has none (a pseudo-fixture)."""
-    chain = item._fixtureinfo.name2fixturedefs.get(name, ())
-    return chain[-1 - depth] if depth < len(chain) else None
-
-
-def request_info(item: pytest.Function) -> RequestInfo:
-    """What the test's ``request`` can tell a rank, as far as it can travel."""
-    request: Any = item._request
-    config = item.config
-    inis = {name: _ini(config, name) for name in config._parser._inidict}
-    return RequestInfo(
-        name=item.name,
-        nodeid=item.nodeid,
-        keywords=tuple(item.keywords),
-        markers=tuple(_mark_that_travels(m) for m in item.iter_markers()),
-        fixturenames=tuple(item.fixturenames),
-        options=_picklable_once(config, "options", vars(config.option)),
-        ini=_picklable_once(config, "ini", inis),
-        has_param=hasattr(request, "param"),
-        param=getattr(request, "param", None),
-        flags=_picklable_once(config, "flags", dict(getattr(config._parser, "_opt2dest", {}))),
-        path=str(item.path),
-    )
-
-
-def _ini(config: pytest.Config, name: str) -> Any:
-    try:
-        return config.getini(name)
-    except Exception:
-        return None
-
-
-def _mark_that_travels(mark: pytest.Mark) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    args = tuple(a if _pickles(a) else repr(a) for a in mark.args)
-    kwargs = {k: v if _pickles(v) else repr(v) for k, v in mark.kwargs.items()}
-    return mark.name, args, kwargs
-
-
-def _picklable(values: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in values.items() if _pickles(value)}
-
-
-_travelling_key = pytest.StashKey[dict[str, tuple[dict[str, Any], dict[str, Any]]]]()
-
-
-def _picklable_once(config: pytest.Config, kind: str, values: dict[str, Any]) -> dict[str, Any]:
-    """_picklable(values), found again only when a value changed: the session's options and
-    ini values are the same for every test, and each is pickled to find out."""
-    cache = config.stash.setdefault(_travelling_key, {})
-    seen, found = cache.get(kind, (None, {}))
-    try:
-        same = seen == values
-    except Exception:  # a value that cannot say whether it equals another
-        same = False
-    if not same:
-        found = _picklable(values)
-        cache[kind] = (dict(values), found)
-    return found
-
-
-def _pickles(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
-
-
-def _unsendable(item: pytest.Function, values: dict[str, Any], what: str = "") -> str | None:
-    """The message naming the first of `values` (by fixture name) that cannot be pickled."""
-    for name, value in values.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            return (
-                f"fixture {name!r}{what} of {item.nodeid} cannot be sent to the ranks "
-                f"({type(exc).__name__}: {exc}); make its value picklable, or build it "
-                f"inside the test body"
-            )
-    return None
 
 
 def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
@@ -526,70 +286,6 @@ def pytest_timeout_paused(item: pytest.Item) -> Iterator[None]:
             hooks.pytest_timeout_set_timer(item=item, settings=settings)
 
 
-def skip_without_gpus(needed: int) -> None:
-    """Skip the current test, at its own location, when fewer than `needed` GPUs are here."""
-    import torch
-
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < needed:
-        raise pytest.skip.Exception(
-            f"needs {needed} CUDA GPU(s), this machine has {have}", _use_item_location=True
-        )
-
-
-# ---- the pools ----------------------------------------------------------------------------
-
-
-def run(
-    config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes
-) -> list[RankOutcome]:
-    """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
-    from harness.pool import RunRequest
-
-    return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
-
-
-def _live_streams(config: pytest.Config) -> LiveStreams | None:
-    """-s, -p no:capture and --capture=tee-sys: where rank output goes as it comes (None:
-    kept only for the report). Under tee-sys, the streams its capture tees to: written to
-    the capture itself, rank output would be shown again as the test's own (tee-sys keeps
-    it in the ranks' report sections already)."""
-    from harness.pool import LiveStreams
-
-    method = config.getoption("capture", None)
-    if method in ("no", None):  # -s, or -p no:capture (no capture plugin, no option)
-        return LiveStreams()
-    if method != "tee-sys":
-        return None
-    capman = config.pluginmanager.getplugin("capturemanager")
-    capturing = getattr(capman, "_global_capturing", None)  # pytest's own: None if it changes
-    return LiveStreams(
-        getattr(getattr(capturing, "out", None), "_old", None),
-        getattr(getattr(capturing, "err", None), "_old", None),
-    )
-
-
-def pools_of(config: pytest.Config) -> Pools:
-    if _pools_key not in config.stash:
-        from harness.pool import Pools
-
-        config.stash[_pools_key] = Pools()
-    return config.stash[_pools_key]
-
-
-def close_pools(config: pytest.Config) -> list[int]:
-    """Kill every rank of the session; the pids still alive after that (there should be none)."""
-    pools = config.stash.get(_pools_key, None)
-    return [] if pools is None else pools.close()
-
-
-def stop_forkserver() -> None:
-    """End the fork server ranks came from, if this process started ranks (pool's)."""
-    pool = sys.modules.get("harness.pool")
-    if pool is not None:
-        pool.stop_forkserver()
-
-
 # ---- any function on ranks, from the pytest process --------------------------------------
 
 
@@ -651,40 +347,15 @@ class RankRunner:
         faults: list[Fault] | tuple[Fault, ...] = (),
         **kwargs: Any,
     ) -> WorldOutcome:
-        target = function_target(fn)
+        packing.function_target(fn)  # a module-level function, whichever ranks run it
         settings = settings_of(self._config)
         spec = spec_for_call(
             self._config, settings, self._node, world_size, timeout, launch, backend, faults
         )
-        if settings.launched is not None and self._node is not None:
-            from harness.launched import hooks as launched_hooks
-
-            outcomes = launched_hooks.run_call(self._config, self._node, spec, fn, args, kwargs)
-            rank_warnings.reemit(outcomes)
-            note_missed_faults(self._node, outcomes)
-            return WorldOutcome(outcomes)
-        if spec.backend == "nccl":
-            skip_without_gpus(spec.world_size)
-        outcomes = run(self._config, spec, target, encode_args(args, kwargs))
+        # Outside a test (a session fixture's call) the launch has no test to agree on: such
+        # a call runs on warm ranks, as in a plain session.
+        ranks = ranks_of(self._config) if self._node is not None else WarmRanks(self._config)
+        outcomes = ranks.run_call(self._node, spec, fn, args, kwargs)
         rank_warnings.reemit(outcomes)
         note_missed_faults(self._node, outcomes)
         return WorldOutcome(outcomes)
-
-
-def function_target(fn: Callable[..., Any]) -> Target:
-    """Where a rank finds `fn`; ValueError for a function it cannot find by name."""
-    qualname = getattr(fn, "__qualname__", "")
-    module_name = getattr(fn, "__module__", None)
-    if not module_name or not qualname or "<" in qualname:
-        raise SpecError(
-            f"run_on_ranks needs a module-level function (found by name in each rank), "
-            f"not {fn!r}; move it to the top level of a module"
-        )
-    file = getattr(sys.modules.get(module_name), "__file__", None)
-    # A test module (assertion-rewritten here) is loaded the same way in the ranks.
-    return Target(module_name, file if file is not None and _is_test_file(file) else None, qualname)
-
-
-def _is_test_file(file: str) -> bool:
-    name = os.path.basename(file)  # string work: called for every loaded module
-    return name.startswith(("test_", "conftest")) or name.endswith("_test.py")

@@ -166,9 +166,12 @@ def _default_backend(launched: Launch | None) -> Backend:
     imported at configure time)."""
     if launched is None:
         return "gloo"
-    from harness.launched.session import auto_backend
+    return cast(Backend, launch_detect.auto_backend(launched))
 
-    return cast(Backend, auto_backend(launched))
+
+# A ranks test's RankSpec, or the error its markers gave, on its item (set at collection).
+SPEC_KEY = pytest.StashKey[RankSpec]()
+SPEC_ERROR_KEY = pytest.StashKey[str]()
 
 
 def settings_of(config: pytest.Config) -> Settings:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from harness import pool, rank_warnings, runner
+from harness import packing, pool, rank_warnings, ranks, runner
 from harness.errors import SpecError, invalid
 from harness.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.protocol import RankSpec, Target, encode_args
@@ -213,7 +213,7 @@ def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
             ) from exc
         return fn
     try:
-        return runner.function_target(fn)
+        return packing.function_target(fn)
     except SpecError:
         raise ValueError(
             f"{caller} needs a function defined at the top level of a module (each rank finds "
@@ -271,8 +271,8 @@ def spawn(
         runxfail=settings.runxfail,
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
-    target = runner.function_target(adopted.run_spawned)
-    context = SpawnContext(lambda: runner.run(config, spec, target, blob), spec.timeout_s)
+    target = packing.function_target(adopted.run_spawned)
+    context = SpawnContext(lambda: ranks.on_warm_ranks(config, spec, target, blob), spec.timeout_s)
     if not join:
         body = next((i for i in reversed(_calling) if i.config is config), None)
         if body is not None:
@@ -498,8 +498,8 @@ class RankPool:
             (_target(fn, "rank_pool.run"), args, kwargs),
             {"rank": None, "world_size": None},
         )
-        target = runner.function_target(adopted.run_pooled)
-        outcomes = runner.run(self._config, self._spec, target, blob)
+        target = packing.function_target(adopted.run_pooled)
+        outcomes = ranks.on_warm_ranks(self._config, self._spec, target, blob)
         rank_warnings.reemit(outcomes)
         report = failure_text(outcomes) or runner.leftovers_text(outcomes)
         if report is not None:

@@ -11,7 +11,17 @@ import rankwise as rw
 import torch
 import torch.distributed as dist
 
-from harness import Ending, Fault, aborts, assert_close_across_ranks, exits, fault_point, killed, raises, returns
+from harness import (
+    Ending,
+    Fault,
+    aborts,
+    assert_close_across_ranks,
+    exits,
+    fault_point,
+    killed,
+    raises,
+    returns,
+)
 
 
 def train_step(rank: int) -> torch.Tensor:

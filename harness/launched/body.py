@@ -1,7 +1,7 @@
 """One ranks test in a launched session: every launched process runs the body in-process,
-then every rank reads every rank's outcome and reaches the same verdict.
+then every rank reads every rank's outcome (``runner`` reaches the one verdict from them).
 
-Used only where ``launched`` detected a launch (it imports torch through it).
+Used only in a launched session (it imports torch).
 """
 
 from __future__ import annotations
@@ -108,18 +108,11 @@ def _said(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".strip() or type(error).__name__
 
 
-def run(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> None:
-    """Run the body here, exchange outcomes, and pass, skip or fail it as every rank does."""
+def run_test(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> list[RankOutcome]:
+    """Run the body here and exchange outcomes: every rank's, for the one verdict."""
     key = item.stash[_key_key]
-    spec = runner.with_fixture_faults(item, spec)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-    outcomes = _run_everywhere(session, key, spec, item, lambda: item.obj(**kwargs))
-    runner.stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
-    rank_warnings.reemit(outcomes)
-    runner.record_leftovers(item, outcomes)
-    if session.rank == 0 or session.real_writer is None:
-        runner.attach_output(item, outcomes)
-    runner.judge(item, spec, outcomes)
+    return _run_everywhere(session, key, spec, item, lambda: item.obj(**kwargs))
 
 
 def run_call(

@@ -1,7 +1,9 @@
-"""The plugin's hooks for a session torchrun launched, each a no-op otherwise.
+"""The hooks of a session torchrun launched, as one plugin object, and its ranks.
 
-The plugin calls these unconditionally or behind :func:`active`; the modules that import
-torch are imported here only when a launch was detected.
+``plugin.py`` registers :class:`LaunchedPlugin` at configure time only when the session is
+a launch (as xdist registers its DSession), and the plugin puts :class:`LaunchedRanks` in
+the session's place (``ranks.use``): ``plugin.py``'s own hooks never ask whether the session
+is launched, and a warm-rank session never loads this package (it imports torch).
 """
 
 from __future__ import annotations
@@ -10,89 +12,171 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 from _pytest.outcomes import Exit
 
-from harness import runner
+from harness import faults, ranks, runner
 from harness.launch_detect import Launch
-from harness.outcome import ranks_phrase, report_looks_collateral
+from harness.launched import body
+from harness.launched.rendezvous import give_each_set_up_its_keys
+from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, loud, start
+from harness.launched.watch import Watch
+from harness.outcome import RankOutcome, ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
-from harness.settings import settings_of, timeout_for
-
-if TYPE_CHECKING:
-    from harness.launched.session import LaunchedSession
+from harness.settings import SPEC_KEY, settings_of, timeout_for
 
 
-# The launched session of this process, for the one hook pytest gives no config (internalerror).
-_launched_sessions: list[LaunchedSession] = []
+class LaunchedPlugin:
+    """pytest's hooks for this rank of a launched session (see the session's module)."""
+
+    def __init__(self, config: pytest.Config, launch: Launch) -> None:
+        workers = config.getoption("numprocesses", None)
+        if workers not in (None, 0, "0"):
+            raise pytest.UsageError(
+                f"harness: under torchrun every launched process is one rank (this is rank "
+                f"{launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's "
+                f"workers would each run the tests as another set of ranks"
+            )
+        self.launched = start(config, launch, settings_of(config).backend)
+        self.launched.watch = Watch(self.launched)
+        ranks.use(config, LaunchedRanks(self.launched))
+
+    @pytest.hookimpl(tryfirst=True)  # before a conftest's: a pytest.exit() there reaches peers
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        launched = self.launched
+        launched.connect()
+        launched.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
+        launched.watch.install()
+        faults.before_fatal = launched.note_death
+        launched.agree_on_backend()
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        stopping = sys.exc_info()[1]  # pytest reports the collection on its way out too
+        if isinstance(stopping, (KeyboardInterrupt, Exit)):
+            ended_early(self.launched, stopping)  # a conftest hook ended the session here
+            return
+        specs = [item.stash[SPEC_KEY] for item in session.items if SPEC_KEY in item.stash]
+        longest = max((spec.timeout_s for spec in specs), default=0.0)
+        self.launched.group_timeout_s = longest + GROUP_TIMEOUT_MARGIN_S
+        self.launched.agree_on_collection(session.items)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)  # around plugin.py's set-up
+    def pytest_runtest_setup(self, item: pytest.Item) -> Any:
+        """Every test starts here on every rank, in the same order: say where this rank is."""
+        launched = self.launched
+        launched.begin(item.nodeid)
+        if launched.stopping:
+            launched.stop("the launcher is stopping the job", item.session)
+            pytest.skip("not run: the launcher is stopping the job")
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)  # after plugin.py's own changes to the report
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
+        if verdict_phase and SPEC_KEY not in item.stash:
+            plain_verdict(self.launched, item, report)
+        if call.when == "teardown":
+            teardown_verdict(self.launched, item, report)
+        return report
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        launched = self.launched
+        if launched.peers is not None:
+            launched.restore_rendezvous()
+            launched.agree_on_exit(session)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """This rank's session ends now (pytest.exit() or KeyboardInterrupt): tell the peers
+        why, so that those waiting for it in a test end theirs alike instead of waiting."""
+        ended_early(self.launched, excinfo.value)
+
+    def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
+        """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
+        launched = self.launched
+        if launched.real_writer is not None:
+            loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{excrepr}")
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        terminal_summary(self.launched, terminalreporter)
 
 
-def active(config: pytest.Config) -> bool:
-    return settings_of(config).launched is not None
+class LaunchedRanks:
+    """The ranks of a launched session: this process and its peers, each running the body
+    in-process; every rank reads every rank's outcome and reaches the same verdict."""
+
+    def __init__(self, launched: LaunchedSession) -> None:
+        self.launched = launched
+
+    @property
+    def reports_output(self) -> bool:
+        """Rank 0 reports for every rank (and a rank speaking for a lost rank 0)."""
+        return self.launched.rank == 0 or self.launched.real_writer is None
+
+    def set_up(
+        self, item: pytest.Item, spec: RankSpec | None, gpu_marked: bool
+    ) -> Generator[None, Any, Any]:
+        if spec is not None:
+            return (yield from set_up(self.launched, item, spec, gpu_marked))
+        # A test without ranks sees none of the harness's process group, as in a plain
+        # session (the next ranks test sets one up again); a group its fixtures set up stays.
+        self.launched.set_own_group_aside()
+        if gpu_marked:
+            ranks.skip_without_gpus(1)
+        return (yield)
+
+    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
+        try:
+            return body.run_test(item, self.launched, spec)
+        finally:
+            self.launched.watch.reinstall()  # after a test that took SIGTERM for itself
+
+    def run_call(
+        self,
+        node: pytest.Item | None,
+        spec: RankSpec,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[RankOutcome]:
+        assert node is not None  # runner runs a call outside a test on warm ranks
+        try:
+            return body.run_call(self.launched, node, spec, fn, args, kwargs)
+        finally:
+            self.launched.watch.reinstall()
+
+    def rank_here(self) -> int | None:
+        return self.launched.rank
+
+    def device_here(self) -> Any:
+        return self.launched.device()
+
+    def shared_path(
+        self, request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float
+    ) -> Path:
+        """Rank 0's new directory, on every rank (shared across nodes only if the filesystem
+        is)."""
+        launched = self.launched
+        key = f"{launched.test_key()}/shared_tmp_path"
+        if launched.rank == 0:
+            path = make()
+            launched.put(key, str(path))
+            return path
+        found = launched.get(key, timeout_s)
+        if found is None:
+            pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
+        return Path(found.decode())
 
 
-def _session(config: pytest.Config) -> LaunchedSession | None:
-    if not active(config):
-        return None
-    from harness.launched.session import session_of
-
-    return session_of(config)
-
-
-def configure(config: pytest.Config, launch: Launch) -> None:
-    workers = config.getoption("numprocesses", None)
-    if workers not in (None, 0, "0"):
-        raise pytest.UsageError(
-            f"harness: under torchrun every launched process is one rank (this is rank "
-            f"{launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's workers "
-            f"would each run the tests as another set of ranks"
-        )
-    from harness.launched.session import start
-
-    _launched_sessions.append(start(config, launch, settings_of(config).backend))
-
-
-def session_start(session: pytest.Session) -> None:
-    launched = _session(session.config)
-    if launched is None:
-        return
-    from harness import faults
-
-    launched.connect()
-    from harness.launched.rendezvous import give_each_set_up_its_keys
-
-    launched.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
-    launched.watch.install()
-    faults.before_fatal = launched.note_death
-    launched.agree_on_backend()
-
-
-def collection_finish(session: pytest.Session, specs: Sequence[RankSpec]) -> None:
-    launched = _session(session.config)
-    if launched is None:
-        return
-    stopping = sys.exc_info()[1]  # pytest reports the collection on its way out too
-    if isinstance(stopping, (KeyboardInterrupt, Exit)):
-        ended_early(stopping)  # a conftest hook ended the session here: the peers follow
-        return
-    from harness.launched.session import GROUP_TIMEOUT_MARGIN_S
-
-    longest = max((spec.timeout_s for spec in specs), default=0.0)
-    launched.group_timeout_s = longest + GROUP_TIMEOUT_MARGIN_S
-    launched.agree_on_collection(session.items)
-
-
-def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[None, Any, Any]:
+def set_up(
+    launched: LaunchedSession, item: pytest.Item, spec: RankSpec, gpu_marked: bool
+) -> Generator[None, Any, Any]:
     """The set-up of a ranks test under a launch: skip it the same way everywhere, or set it
     up on every rank and start its body only where every rank did."""
-    launched = _session(item.config)
-    assert launched is not None
-    from harness.launched import body
-
     reason = body.skip_reason(launched, spec, gpu_marked)
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
@@ -102,7 +186,7 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     try:
         result = yield
     except (KeyboardInterrupt, Exit) as exc:
-        ended_early(exc)  # the session ends here: no set-up to agree on, the peers follow
+        ended_early(launched, exc)  # the session ends here: no set-up to agree on
         raise
     except BaseException as exc:
         body.agree_on_set_up(item, launched, spec, exc)
@@ -111,44 +195,14 @@ def set_up(item: pytest.Item, spec: RankSpec, gpu_marked: bool) -> Generator[Non
     return result
 
 
-def plain_set_up(item: pytest.Item) -> None:
-    """A test without ranks sees none of the harness's process group, as in a plain session
-    (the next ranks test sets one up again); a group its fixtures set up stays."""
-    launched = _session(item.config)
-    if launched is not None:
-        launched.set_own_group_aside()
-
-
-def begin(item: pytest.Item) -> None:
-    """Every test starts here on every rank, in the same order: say where this rank is."""
-    launched = _session(item.config)
-    if launched is None:
-        return
-    launched.begin(item.nodeid)
-    if launched.stopping:
-        launched.stop("the launcher is stopping the job", item.session)
-        pytest.skip("not run: the launcher is stopping the job")
-
-
 # How long a rank waits for the others to finish a test without ranks (each runs it on its
 # own): a test that much slower on one rank than on another reads as ranks out of step.
 PLAIN_WAIT_S = 600.0
 
 
-def internal_error(text: str) -> None:
-    """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
-    launched = _launched_sessions[-1] if _launched_sessions else None
-    if launched is not None and launched.real_writer is not None:
-        from harness.launched.session import loud
-
-        loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{text}")
-
-
-def ended_early(exc: BaseException) -> None:
-    """This rank's session ends now (pytest.exit() or KeyboardInterrupt): tell the peers why,
-    so that those waiting for it in a test end theirs alike instead of waiting it out."""
-    launched = _launched_sessions[-1] if _launched_sessions else None
-    if launched is None or launched.peers is None:
+def ended_early(launched: LaunchedSession, exc: BaseException) -> None:
+    """Tell the peers this rank's session ends now (pytest.exit() or KeyboardInterrupt)."""
+    if launched.peers is None:
         return
     if isinstance(exc, KeyboardInterrupt):
         text, code = "KeyboardInterrupt", int(pytest.ExitCode.INTERRUPTED)
@@ -160,11 +214,10 @@ def ended_early(exc: BaseException) -> None:
         launched.ended_early(text, code)
 
 
-def plain_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
+def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
     """One verdict for a test without ranks too: every rank ran it on its own; a failure on
     any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
-    launched = _session(item.config)
-    if launched is None or launched.peers is None:
+    if launched.peers is None:
         return
     launched.finishing()
     mine = {
@@ -272,11 +325,12 @@ def _others(launched: LaunchedSession, found: list[bytes | None]) -> list[tuple[
     ]
 
 
-def teardown_verdict(item: pytest.Item, report: pytest.TestReport) -> None:
+def teardown_verdict(
+    launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport
+) -> None:
     """A teardown that failed on any rank is the test's error on every rank, naming the
     rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
-    launched = _session(item.config)
-    if launched is None or launched.peers is None:
+    if launched.peers is None:
         return
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
     lost_before = set(launched.lost) | {launched.rank}
@@ -356,71 +410,9 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr[2]).removeprefix("Skipped: ")
 
 
-def run_call(
-    config: pytest.Config,
-    node: pytest.Item,
-    spec: RankSpec,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    launched = _session(config)
-    assert launched is not None
-    from harness.launched import body
-
-    try:
-        return body.run_call(launched, node, spec, fn, args, kwargs)
-    finally:
-        launched.watch.reinstall()
-
-
-def run(item: pytest.Function, spec: RankSpec) -> None:
-    launched = _session(item.config)
-    assert launched is not None
-    from harness.launched import body
-
-    try:
-        body.run(item, launched, spec)
-    finally:
-        launched.watch.reinstall()  # after a test that took SIGTERM for itself
-
-
-def rank_here(config: pytest.Config) -> int | None:
-    launched = _session(config)
-    return None if launched is None else launched.rank
-
-
-def device_here(config: pytest.Config) -> Any:
-    launched = _session(config)
-    return None if launched is None else launched.device()
-
-
-def shared_path(request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float) -> Path:
-    """Rank 0's new directory, on every rank (shared across nodes only if the filesystem is)."""
-    launched = _session(request.config)
-    assert launched is not None
-    key = f"{launched.test_key()}/shared_tmp_path"
-    if launched.rank == 0:
-        path = make()
-        launched.put(key, str(path))
-        return path
-    found = launched.get(key, timeout_s)
-    if found is None:
-        pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
-    return Path(found.decode())
-
-
-def session_finish(session: pytest.Session) -> None:
-    launched = _session(session.config)
-    if launched is not None and launched.peers is not None:
-        launched.restore_rendezvous()
-        launched.agree_on_exit(session)
-
-
-def terminal_summary(reporter: Any) -> None:
-    launched = _session(reporter.config)
-    if launched is None or launched.real_writer is not None:
-        return  # not launched, or a quiet rank
+def terminal_summary(launched: LaunchedSession, reporter: Any) -> None:
+    if launched.real_writer is not None:
+        return  # a quiet rank
     going_on = reporter.config.getoption("continue_on_collection_errors", False)
     if launched.peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
         reporter.write_sep("=", "harness: collection errors on other ranks", red=True)

@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -34,10 +34,12 @@ import torch.distributed as dist
 
 from harness.launch_detect import Launch
 from harness.launched.store import Peers
-from harness.launched.watch import Watch
 from harness.outcome import Ending, RankOutcome
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
+
+if TYPE_CHECKING:
+    from harness.launched.watch import Watch
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.
@@ -51,25 +53,9 @@ OUTCOME_GRACE_S = 15.0
 # The group's own timeout stays past every test's bound, so the harness's timer fires first.
 GROUP_TIMEOUT_MARGIN_S = 120.0
 
-_session_key = pytest.StashKey["LaunchedSession"]()
-
-
-def auto_backend(launch: Launch) -> str:
-    """nccl where this rank has its GPU (cuda:LOCAL_RANK, or the one GPU the launcher made
-    visible to it), gloo otherwise."""
-    if not torch.cuda.is_available():
-        return "gloo"
-    count = torch.cuda.device_count()
-    return "nccl" if count > launch.local_rank or count == 1 else "gloo"
-
-
-def session_of(config: pytest.Config) -> LaunchedSession | None:
-    return config.stash.get(_session_key, None)
-
 
 def start(config: pytest.Config, launch: Launch, backend: str) -> LaunchedSession:
     session = LaunchedSession(config, launch, backend)
-    config.stash[_session_key] = session
     if launch.rank != 0:
         session.real_writer = _quiet(config)
     _own_basetemp(config, launch.rank)
@@ -109,7 +95,7 @@ class LaunchedSession:
         self.group_timeout_s = GROUP_TIMEOUT_MARGIN_S
         self.hung_in: set[str] = set()  # runs whose outcome this rank's timer published
         self.finished = threading.Event()  # the exit status is agreed: the session is over
-        self.watch = Watch(self)
+        self.watch: Watch = None  # type: ignore[assignment]  # the launch's hooks make it
         self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
         self.absent: dict[int, str] = {}  # why ranks were missing from the last exchange
         # Under --continue-on-collection-errors: the other ranks' collection errors, which

@@ -233,10 +233,10 @@ def _exit(session: LaunchedSession, status: int) -> None:
 def _stacks() -> str:
     """Every thread's Python stack, also of a thread blocked in a C++ collective, from the
     test's frames up."""
-    from harness.launched import body
-
     with tempfile.TemporaryFile("w+") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
         text = f.read()
-    return trim_in_process(text, body.__file__, (__file__, "/launched.py"))
+    here = os.path.dirname(__file__)
+    quiet = (__file__, os.path.join(here, "session.py"), os.path.join(here, "store.py"))
+    return trim_in_process(text, os.path.join(here, "body.py"), quiet)

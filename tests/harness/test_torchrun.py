@@ -1255,3 +1255,26 @@ def test_a_teardown_failing_on_one_rank_frees_a_peer_blocked_in_its_own(
     assert "rank 1's teardown failed" in out and "rank 1's teardown broke" in out, out
     assert "gone" not in out and "out of step" not in out, out
     assert result.exit_codes() == [1, 1], out
+
+
+RETURNS_A_VALUE = """
+@pytest.mark.ranks(2)
+def test_returns_a_value(rank):
+    return rank + 1
+"""
+
+
+@pytest.mark.slow
+def test_a_ranks_test_returning_a_value_warns_as_on_warm_ranks(pytester: pytest.Pytester) -> None:
+    """Under torchrun the sequence after a body was a copy of the warm one that had drifted:
+    such a test passed silently, and with filterwarnings = error it failed on warm ranks only."""
+    strict = ("-W", "error::pytest.PytestReturnNotNoneWarning")
+    directory = write(pytester, test_returns=RETURNS_A_VALUE)
+    launched = torchrun(directory, 2, *strict)
+    assert junit_cases(launched.junit) == {"test_returns_a_value[ranks2]": "failure"}, (
+        launched.output
+    )
+    assert "test functions should return None" in launched.output, launched.output
+    warm = pytester.runpytest_subprocess("-p", "harness", "-p", "no:cacheprovider", *strict)
+    warm.assert_outcomes(failed=1)
+    warm.stdout.fnmatch_lines(["*test functions should return None*"])

@@ -1,0 +1,199 @@
+"""Where a ranks test's body runs, behind one seam: the session's :class:`Ranks`.
+
+`WarmRanks` (the default) packs the test for warm rank processes (``packing``) and runs it
+on the pools they live in (``pool``, imported when a test first needs ranks). Under torchrun
+the launch's plugin puts its own in the session's place: this process is one of the ranks.
+``runner`` runs and judges every test one way through it, so what happens after a body
+(warnings, leftovers, output, the verdict) exists once.
+
+Loaded with the plugin; imports no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pytest
+
+from harness import made_in_ranks, packing
+from harness.outcome import RankOutcome
+from harness.protocol import RankSpec, Target, encode_args
+
+if TYPE_CHECKING:
+    from harness.pool import LiveStreams, Pools
+
+
+class Ranks(Protocol):
+    """The ranks a session's tests run on: their set-up, a test's body, a run_on_ranks call,
+    and the answers of the fixtures that differ per rank."""
+
+    # Whether this process attaches the ranks' output to the report (under torchrun rank 0
+    # reports for every rank, and a rank that speaks for a lost rank 0).
+    @property
+    def reports_output(self) -> bool: ...
+
+    def set_up(
+        self, item: pytest.Item, spec: RankSpec | None, gpu_marked: bool
+    ) -> Generator[None, Any, Any]:
+        """pytest_runtest_setup's wrapper body for a test (spec None: a test without ranks)."""
+        ...
+
+    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
+        """The test's body on every rank: each rank's outcome, in rank order."""
+        ...
+
+    def run_call(
+        self,
+        node: pytest.Item | None,
+        spec: RankSpec,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[RankOutcome]:
+        """`fn(*args, **kwargs)` on every rank (run_on_ranks)."""
+        ...
+
+    def rank_here(self) -> int | None:
+        """This process's rank, where it is one (None: the ranks are other processes)."""
+        ...
+
+    def device_here(self) -> Any:
+        """This process's torch.device, where it is a rank (None otherwise)."""
+        ...
+
+    def shared_path(
+        self, request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float
+    ) -> Path:
+        """The test's shared_tmp_path: made by `make`, the same on every rank."""
+        ...
+
+
+_ranks_key = pytest.StashKey[Ranks]()
+
+
+def ranks_of(config: pytest.Config) -> Ranks:
+    """The session's ranks: the launch's where the session is one, else warm rank processes."""
+    found = config.stash.get(_ranks_key, None)
+    if found is None:
+        found = config.stash[_ranks_key] = WarmRanks(config)
+    return found
+
+
+def use(config: pytest.Config, ranks: Ranks) -> None:
+    """Run the session's tests on `ranks` (the launch's plugin calls it at configure)."""
+    config.stash[_ranks_key] = ranks
+
+
+class WarmRanks:
+    """Rank processes this pytest process starts and keeps warm between tests."""
+
+    reports_output = True
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def set_up(
+        self, item: pytest.Item, spec: RankSpec | None, gpu_marked: bool
+    ) -> Generator[None, Any, Any]:
+        if gpu_marked or (spec is not None and spec.backend == "nccl"):
+            skip_without_gpus(spec.world_size if spec is not None else 1)
+        if spec is not None:
+            made_in_ranks.remember(item)
+        return (yield)
+
+    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
+        target = packing.test_target(item)
+        return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
+
+    def run_call(
+        self,
+        node: pytest.Item | None,
+        spec: RankSpec,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[RankOutcome]:
+        target = packing.function_target(fn)
+        if spec.backend == "nccl":
+            skip_without_gpus(spec.world_size)
+        return on_warm_ranks(self._config, spec, target, encode_args(args, kwargs))
+
+    def rank_here(self) -> int | None:
+        return None
+
+    def device_here(self) -> Any:
+        return None
+
+    def shared_path(
+        self, request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float
+    ) -> Path:
+        return make()  # every rank runs on this machine: one directory serves them all
+
+
+def skip_without_gpus(needed: int) -> None:
+    """Skip the current test, at its own location, when fewer than `needed` GPUs are here."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < needed:
+        raise pytest.skip.Exception(
+            f"needs {needed} CUDA GPU(s), this machine has {have}", _use_item_location=True
+        )
+
+
+# ---- the pools ----------------------------------------------------------------------------
+
+_pools_key = pytest.StashKey["Pools"]()
+
+
+def on_warm_ranks(
+    config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes
+) -> list[RankOutcome]:
+    """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
+    from harness.pool import RunRequest
+
+    return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
+
+
+def _live_streams(config: pytest.Config) -> LiveStreams | None:
+    """-s, -p no:capture and --capture=tee-sys: where rank output goes as it comes (None:
+    kept only for the report). Under tee-sys, the streams its capture tees to: written to
+    the capture itself, rank output would be shown again as the test's own (tee-sys keeps
+    it in the ranks' report sections already)."""
+    from harness.pool import LiveStreams
+
+    method = config.getoption("capture", None)
+    if method in ("no", None):  # -s, or -p no:capture (no capture plugin, no option)
+        return LiveStreams()
+    if method != "tee-sys":
+        return None
+    capman = config.pluginmanager.getplugin("capturemanager")
+    capturing = getattr(capman, "_global_capturing", None)  # pytest's own: None if it changes
+    return LiveStreams(
+        getattr(getattr(capturing, "out", None), "_old", None),
+        getattr(getattr(capturing, "err", None), "_old", None),
+    )
+
+
+def pools_of(config: pytest.Config) -> Pools:
+    if _pools_key not in config.stash:
+        from harness.pool import Pools
+
+        config.stash[_pools_key] = Pools()
+    return config.stash[_pools_key]
+
+
+def close_pools(config: pytest.Config) -> list[int]:
+    """Kill every rank of the session; the pids still alive after that (there should be none)."""
+    pools = config.stash.get(_pools_key, None)
+    return [] if pools is None else pools.close()
+
+
+def stop_forkserver() -> None:
+    """End the fork server ranks came from, if this process started ranks (pool's)."""
+    pool = sys.modules.get("harness.pool")
+    if pool is not None:
+        pool.stop_forkserver()
