@@ -344,7 +344,7 @@ def _run_and_judge(
     rank_warnings.reemit(outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
-    judge(item, spec, outcomes)
+    judge_adopted(item, spec, outcomes)
 
 
 def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutcome]:
@@ -368,7 +368,7 @@ def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutc
     return outcomes
 
 
-def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
+def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
     """Skip when every rank skipped (a skip status included); else pass or fail as the harness."""
     outcomes = [as_skip(o) for o in outcomes]
     if all(o.ending is Ending.SKIPPED for o in outcomes):

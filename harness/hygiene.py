@@ -36,7 +36,7 @@ THREAD_END_WAIT_S = 1.0
 HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never the test's
 
 
-def snapshot() -> Snapshot:
+def before_test() -> Snapshot:
     return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), environment.variables())
 
 

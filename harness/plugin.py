@@ -169,7 +169,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     ranks.close_pools(config)  # idempotent; covers an interrupted session
     _sessions.discard(config)
     if not _sessions:  # the last in this process (pytester runs sessions inside another)
-        ranks.stop_forkserver()
+        ranks.stop_forkserver_if_started()
 
 
 # ---- fixtures ------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def close_pools(config: pytest.Config) -> list[int]:
     return [] if pools is None else pools.close()
 
 
-def stop_forkserver() -> None:
+def stop_forkserver_if_started() -> None:
     """End the fork server ranks came from, if this process started ranks (pool's)."""
     pool = sys.modules.get("harness.pool")
     if pool is not None:

@@ -1,4 +1,4 @@
-"""Every Python snippet in README.md runs as written.
+"""Every Python snippet in README.md and the docs/ pages runs as written.
 
 Snippets that define tests run under pytest with the harness, all in one run; the others run
 each in a fresh single process (no launch), in a scratch directory.
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 _LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
 
 
 def _snippets() -> list[str]:
-    return [textwrap.dedent(body) for _, body in _BLOCK.findall(README.read_text())]
+    return [textwrap.dedent(body) for page in PAGES for _, body in _BLOCK.findall(page.read_text())]
 
 
 def _is_test_file(code: str) -> bool:

@@ -178,7 +178,7 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
 def _run_here(
     item: pytest.Item, session: LaunchedSession, spec: RankSpec, key: str, call: Callable[[], Any]
 ) -> tuple[RankOutcome, bool]:
-    before = hygiene.snapshot()
+    before = hygiene.before_test()
     children = set(reaper.leftovers(os.getpid()))  # a session fixture's own: not the test's
     fixtures_group = dist.group.WORLD if spec.launch and dist.is_initialized() else None
     where = Where()

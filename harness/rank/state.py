@@ -147,7 +147,7 @@ def _deterministic() -> tuple[bool, bool]:
     )
 
 
-def restore(base: Baseline, cuda_device: int | None) -> None:
+def restore_baseline(base: Baseline, cuda_device: int | None) -> None:
     """Put back everything in `base` that the test changed, and the CUDA device it began on."""
     _restore_fds(base)
     _restore_streams(base)

@@ -314,7 +314,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     try:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
-        before = hygiene.snapshot()
+        before = hygiene.before_test()
         _xfail_as_pytest_has_it(task.spec.runxfail)
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
@@ -389,7 +389,7 @@ _stack_id: tuple[int, int] = (0, 0)
 def _restore(cuda_device: int | None) -> None:
     """Undo what the test did to this process (see state.py), so the next test is not hurt."""
     if _baseline is not None:
-        state.restore(_baseline, cuda_device)
+        state.restore_baseline(_baseline, cuda_device)
     if _stack_path is not None and not _stacks_still_watched():
         signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)  # Python's view: no handler
         faulthandler.unregister(DUMP_STACKS_SIGNAL)  # else register keeps what it thinks it has

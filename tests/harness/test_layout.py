@@ -1,0 +1,104 @@
+"""The harness's layout, pinned: the process boundary in the tree, the launch behind one seam.
+
+- ``ci/import_graph.py``'s rules hold: no import circle (so no import runs back up), only
+  ``plugin.py`` imports ``harness/launched/``, nothing in ``harness/rank/`` imports the
+  pytest side;
+- loading the pytest side, and running a warm-rank session, loads no module of the launch
+  but ``reports`` (whose early configure turns report files off on ranks other than 0);
+- CONTRIBUTING lists every module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _import_graph() -> object:
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "ci" / "import_graph.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_import_rules_hold() -> None:
+    graph: object = _import_graph()
+    edges = graph.graph()  # type: ignore[attr-defined]
+    assert graph.broken_rules(edges) == []  # type: ignore[attr-defined]
+    assert "harness.launched.hooks" in edges["harness.plugin"]  # the one way in
+
+
+def test_the_rules_catch_what_they_are_for() -> None:
+    """The check itself: a circle, a module importing the launch, a rank importing runner."""
+    graph: object = _import_graph()
+    edges = {
+        "harness.a": {"harness.b"},
+        "harness.b": {"harness.a"},
+        "harness.runner": {"harness.launched.session"},
+        "harness.rank.worker": {"harness.runner"},
+    }
+    broken = graph.broken_rules(edges)  # type: ignore[attr-defined]
+    assert "import circle: harness.a -> harness.b -> harness.a" in broken
+    assert any("harness.runner imports harness.launched.session" in b for b in broken)
+    assert any("harness.rank.worker imports harness.runner" in b for b in broken)
+
+
+def _loaded_after(code: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", f"{code}; import sys; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return [m for m in eval(result.stdout.strip()) if m.startswith("harness.launched")]
+
+
+def test_the_pytest_side_loads_no_module_of_the_launch() -> None:
+    for module in ("harness.runner", "harness.settings", "harness.pool", "harness.ranks"):
+        assert _loaded_after(f"import {module}") == [], module
+
+
+@pytest.mark.slow
+def test_a_warm_session_never_enters_the_launch(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+import sys
+
+def pytest_sessionfinish(session):
+    loaded = sorted(m for m in sys.modules if m.startswith("harness.launched"))
+    print("LAUNCH MODULES", loaded)
+"""
+    )
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.ranks(2)
+def test_ranks(rank, shared_tmp_path):
+    assert rank in (0, 1)
+
+def test_calls(run_on_ranks):
+    assert run_on_ranks(abs, -1, world_size=2).values == [1, 1]
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "-s")
+    result.assert_outcomes(passed=2)
+    assert "LAUNCH MODULES ['harness.launched', 'harness.launched.reports']" in result.stdout.str()
+
+
+def test_contributing_lists_every_module() -> None:
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    block = text.split("## Architecture", 1)[1].split("```", 2)[1]
+    listed = set(re.findall(r"^\s+([\w/]+\.py)\b", block, re.MULTILINE))
+    for path in sorted((ROOT / "harness").rglob("*.py")):
+        name = path.relative_to(ROOT / "harness").as_posix()
+        assert name in listed, f"CONTRIBUTING's architecture does not list harness/{name}"
