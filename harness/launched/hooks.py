@@ -21,9 +21,9 @@ from _pytest.outcomes import Exit
 
 from harness import faults, ranks, runner
 from harness.launch_detect import Launch
-from harness.launched import body
+from harness.launched import body, terminal
 from harness.launched.rendezvous import give_each_set_up_its_keys
-from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, loud, start
+from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
 from harness.launched.watch import Watch
 from harness.outcome import RankOutcome, ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
@@ -99,10 +99,12 @@ class LaunchedPlugin:
         """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
         launched = self.launched
         if launched.real_writer is not None:
-            loud(launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{excrepr}")
+            terminal.loud(
+                launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{excrepr}"
+            )
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        terminal_summary(self.launched, terminalreporter)
+        terminal.summary(self.launched, terminalreporter)
 
 
 class LaunchedRanks:
@@ -408,21 +410,3 @@ def _skip_reason(report: pytest.TestReport) -> str:
     if report.outcome != "skipped" or not isinstance(longrepr, tuple):
         return ""
     return str(longrepr[2]).removeprefix("Skipped: ")
-
-
-def terminal_summary(launched: LaunchedSession, reporter: Any) -> None:
-    if launched.real_writer is not None:
-        return  # a quiet rank
-    going_on = reporter.config.getoption("continue_on_collection_errors", False)
-    if launched.peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
-        reporter.write_sep("=", "harness: collection errors on other ranks", red=True)
-        for text in launched.peer_collection_errors:
-            reporter.write_line(text)
-    if not launched.stop_reason:
-        return
-    left = launched.not_run()
-    reporter.write_sep("=", "harness: the session ended early", red=True)
-    reporter.write_line(launched.stop_reason)
-    reporter.write_line(f"tests not run ({len(left)}):")
-    for nodeid in left:
-        reporter.write_line(f"  {nodeid}")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.launch_detect import Launch
+from harness.launched import terminal
 from harness.launched.store import Peers
 from harness.outcome import Ending, RankOutcome
 from harness.rank import group_release
@@ -57,7 +58,7 @@ GROUP_TIMEOUT_MARGIN_S = 120.0
 def start(config: pytest.Config, launch: Launch, backend: str) -> LaunchedSession:
     session = LaunchedSession(config, launch, backend)
     if launch.rank != 0:
-        session.real_writer = _quiet(config)
+        session.real_writer = terminal.quiet(config)
     _own_basetemp(config, launch.rank)
     return session
 
@@ -380,7 +381,9 @@ class LaunchedSession:
         if reporter is not None:
             reporter._tw = self.real_writer
         self.real_writer = None
-        loud(self.config, f"harness: rank 0 is gone ({self.lost[0]}); rank {self.rank} reports")
+        terminal.loud(
+            self.config, f"harness: rank 0 is gone ({self.lost[0]}); rank {self.rank} reports"
+        )
 
     def stop(self, reason: str, session: pytest.Session) -> None:
         """End the session after the current test: a rank cannot go on."""
@@ -404,7 +407,7 @@ class LaunchedSession:
         else:
             blob = self.get("final", AGREE_S)
             if blob is None:
-                loud(
+                terminal.loud(
                     self.config,
                     f"harness: rank {self.rank} could not learn rank 0's exit status (rank 0 "
                     f"did not publish it); it exits with its own ({status})",
@@ -507,42 +510,3 @@ def _failed(session: pytest.Session) -> list[str]:
 
 def _text(blob: bytes | None) -> str:
     return "nothing" if blob is None else blob.decode(errors="replace")
-
-
-# ---- quiet ranks and loud words -----------------------------------------------------------
-
-
-def _quiet(config: pytest.Config) -> Any:
-    """Ranks other than 0 print no report and write no junit or cache: rank 0 speaks for all.
-    Returns the terminal writer it silenced."""
-    from _pytest._io import TerminalWriter
-
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    real = None
-    if reporter is not None:
-        real = reporter._tw
-        reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the session's
-    # Report files are off here already (reports.py), unless the harness was loaded
-    # after pytest configured its junit writer (from a conftest's pytest_plugins).
-    with contextlib.suppress(ImportError):
-        from _pytest.junitxml import xml_key
-
-        xml = config.stash.get(xml_key, None)
-        if xml is not None:
-            del config.stash[xml_key]
-            config.pluginmanager.unregister(xml)
-    cache = getattr(config, "cache", None)
-    if cache is not None:
-        with contextlib.suppress(Exception):
-            cache.set = lambda key, value: None  # rank 0 writes --lf's record, once
-    return real
-
-
-def loud(config: pytest.Config, text: str) -> None:
-    """Write to the real terminal (past pytest's capture), whichever rank this is."""
-    capman: Any = config.pluginmanager.getplugin("capturemanager")
-    capturing = getattr(capman, "_global_capturing", None)
-    err = getattr(capturing, "err", None)
-    fd = getattr(err, "targetfd_save", 2)
-    with contextlib.suppress(OSError):
-        os.write(fd, (text.rstrip("\n") + "\n").encode(errors="replace"))

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from harness.launched import terminal
 from harness.launched.store import HEARTBEAT_S
 from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
@@ -179,18 +180,18 @@ class Watch:
         _exit(session, 1)
 
     def _report(self, why: str, hung_key: str | None) -> None:
-        from harness.launched.session import loud
-
         session = self._session
         if hung_key is not None:
             outcomes = session.exchange(hung_key, _own(session, hung_key), STOPPED_WAIT_S)
             text = failure_text(outcomes) or "every rank returned"
-            loud(session.config, f"FAILED {session.current} (reported by rank 0's timer)\n{text}")
+            terminal.loud(
+                session.config, f"FAILED {session.current} (reported by rank 0's timer)\n{text}"
+            )
         else:
-            loud(session.config, _stop_report(session))
+            terminal.loud(session.config, _stop_report(session))
         left = [n for n in session.not_run() if n != session.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
-        loud(
+        terminal.loud(
             session.config,
             f"harness: the session ended early ({why}; rank 0 could not finish it, so there "
             f"is no junit xml). Tests not run ({len(left)}):\n{listed}",
