@@ -21,7 +21,7 @@ from _pytest.outcomes import Exit
 
 from harness import faults, ranks, runner
 from harness.launch_detect import Launch
-from harness.launched import body, terminal
+from harness.launched import body, records, terminal
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
 from harness.launched.watch import Watch
@@ -243,7 +243,7 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
             report.outcome = "failed"
             report.longrepr = f"not every rank finished this test: {absent}"
-    failed = [(r, t) for r, t in _others(launched, found) if t["outcome"] == "failed"]
+    failed = [(r, t) for r, t in _others(launched, found, key) if t["outcome"] == "failed"]
     if report.outcome != "failed" and failed:
         rank, theirs = failed[0]
         report.outcome = "failed"
@@ -267,7 +267,8 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     if report.outcome == "failed":
         _also_failed(report, failed, launched.rank)
         return
-    _agree_on_skips(report, {r: json.loads(b) for r, b in enumerate(found) if b is not None})
+    published = {r: _published(b, f"{key}/{r}") for r, b in enumerate(found) if b is not None}
+    _agree_on_skips(report, published)
 
 
 def _also_failed(report: pytest.TestReport, failed: list[tuple[int, Any]], shown: int) -> None:
@@ -318,13 +319,41 @@ def _timeout(launched: LaunchedSession) -> float:
     return timeout_for(settings_of(launched.config), None, "", None)
 
 
-def _others(launched: LaunchedSession, found: list[bytes | None]) -> list[tuple[int, Any]]:
+# What each rank publishes of a test without ranks, and of a teardown.
+_Fields = dict[str, type | tuple[type, ...]]
+_PLAIN: _Fields = {
+    "outcome": str, "text": str, "reason": str, "sections": list, "xfail": (str, type(None)),
+}  # fmt: skip
+_TEARDOWN: _Fields = {"failed": bool, "text": str}
+
+
+def _others(
+    launched: LaunchedSession, found: list[bytes | None], key: str
+) -> list[tuple[int, Any]]:
     """The other ranks' published values, decoded, with their ranks."""
     return [
-        (r, json.loads(blob))
+        (r, _published(blob, f"{key}/{r}"))
         for r, blob in enumerate(found)
         if blob is not None and r != launched.rank
     ]
+
+
+def _published(blob: bytes, key: str) -> dict[str, Any]:
+    """A rank's published verdict under `key`, checked; one that is not the harness's record
+    reads as that rank's failure, naming the key (never believed, never run)."""
+    fields = _TEARDOWN if key.rsplit("/", 2)[-2] == "teardown" else _PLAIN
+    try:
+        said = records.read_json(blob, key, fields)
+        sections = said.get("sections", [])
+        if not all(isinstance(x, list) and [type(y) for y in x] == [str, str] for x in sections):
+            raise records.RecordError(f"the value under {key!r} has sections not of the harness")
+        return said
+    except records.RecordError as exc:
+        text = f"harness error: {exc}; it was ignored"
+        return {
+            "outcome": "failed", "failed": True, "text": text, "reason": "", "sections": [],
+            "xfail": None,
+        }  # fmt: skip
 
 
 def teardown_verdict(
@@ -350,7 +379,7 @@ def teardown_verdict(
             report.outcome = "failed"
             report.longrepr = f"not every rank finished this test's teardown: {absent}"
         return
-    failed = [(r, t["text"]) for r, t in _others(launched, found) if t["failed"]]
+    failed = [(r, t["text"]) for r, t in _others(launched, found, key) if t["failed"]]
     if failed and not report.failed:
         rank, text = failed[0]
         report.outcome = "failed"

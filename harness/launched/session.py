@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from harness.launch_detect import Launch
-from harness.launched import terminal
+from harness.launched import records, terminal
 from harness.launched.store import Peers
 from harness.outcome import Ending, RankOutcome
 from harness.rank import group_release
@@ -179,7 +178,12 @@ class LaunchedSession:
         for rank in sorted(self.absent):
             blob = self.peers.read(f"exit/{rank}")
             if blob is not None and rank != self.rank:
-                said = json.loads(blob)
+                key = f"exit/{rank}"
+                try:
+                    said = records.read_json(blob, key, {"text": str, "code": int})
+                except records.RecordError as exc:
+                    terminal.loud(self.config, f"harness: ignored {exc} (not this harness's)")
+                    continue
                 raise pytest.exit(f"[rank {rank}] {said['text']}", returncode=said["code"])
 
     # ---- agreements ----------------------------------------------------------------------
@@ -208,7 +212,11 @@ class LaunchedSession:
             if blob is None:
                 unfinished.append(f"rank {r} did not finish collecting: {self.absent[r]}")
                 continue
-            theirs = json.loads(blob)
+            try:
+                theirs = records.read_json(blob, f"collected/{r}", {"tests": list, "errors": list})
+            except records.RecordError as exc:
+                unfinished.append(f"rank {r}'s collection could not be read: {exc}")
+                continue
             said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
             errors += said_by_r
             if r != self.rank:
@@ -350,20 +358,41 @@ class LaunchedSession:
 
     def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]:
         """Every rank's outcome of run `key`; a rank that published none is read as gone."""
-        mine = None if key in self.hung_in else pickle.dumps(outcome)  # the timer's stands
+        mine = None if key in self.hung_in else records.encode_outcome(outcome)  # or the timer's
         found = self.gather(f"{key}/outcome", mine, seconds)
         return [
-            pickle.loads(blob) if blob is not None else self._missing(key, r)
+            self._outcome(key, r, blob) if blob is not None else self._missing(key, r)
             for r, blob in enumerate(found)
         ]
 
+    def _outcome(self, key: str, rank: int, blob: bytes) -> RankOutcome:
+        """Rank `rank`'s outcome as read from the store: data, checked, never code. A value
+        that is not the harness's record fails the test naming the key, and is ignored."""
+        try:
+            return records.decode_outcome(blob, key, rank)
+        except records.RecordError as exc:
+            store_key = f"{key}/outcome/{rank}"
+            return RankOutcome(
+                key,
+                rank,
+                0,
+                Ending.RAISED,
+                at=time.monotonic(),
+                exc_type="harness.RecordError",
+                message=(
+                    f"harness error: the value under {store_key!r} in the launch's store is not "
+                    f"an outcome the harness wrote ({exc}); it was ignored, nothing in it was "
+                    f"run. Something else writes to this job's store: use a run id no one can "
+                    f"guess and a secret (see docs/torchrun.md)"
+                ),
+            )
+
     def _missing(self, key: str, rank: int) -> RankOutcome:
         assert self.peers is not None
-        blob = self.peers.read(f"died/{rank}")
-        died = json.loads(blob) if blob is not None else {}
+        died = self._died(rank)
         why = f"it died: {died['text']}" if died else self.absent.get(rank, "gone")
         self.lost[rank] = why
-        pid = int(self.peers.read(f"pid/{rank}") or b"0")
+        pid = records.read_int(self.peers.read(f"pid/{rank}"), f"pid/{rank}", 0)
         if died.get("signal") is not None:
             outcome = RankOutcome(key, rank, pid, Ending.SIGNALLED, signal=died["signal"])
         else:
@@ -371,6 +400,22 @@ class LaunchedSession:
         outcome.at = time.monotonic()
         outcome.notes.append(f"rank {rank} gave no outcome: {why}")
         return outcome
+
+    def _died(self, rank: int) -> dict[str, Any]:
+        """What rank `rank` said as it died ({} if nothing, or nothing of the harness's)."""
+        assert self.peers is not None
+        blob = self.peers.read(f"died/{rank}")
+        if blob is None:
+            return {}
+        fields: dict[str, Any] = {
+            "text": str,
+            "signal": (int, type(None)),
+            "code": (int, type(None)),
+        }
+        try:
+            return records.read_json(blob, f"died/{rank}", fields)
+        except records.RecordError:
+            return {}
 
     def speak_for_rank_0(self) -> None:
         """Rank 0 is gone: the lowest rank left prints the report from here on."""
@@ -414,7 +459,7 @@ class LaunchedSession:
                 )
                 final = status
             else:
-                final = int(blob)
+                final = records.read_int(blob, "final", status)
         session.exitstatus = final
         self.over(final)
 
@@ -438,7 +483,13 @@ class LaunchedSession:
             if blob is None:  # it never said how its session ended: it did not end well
                 statuses.append(int(pytest.ExitCode.TESTS_FAILED))
                 continue
-            statuses.append(json.loads(blob)["status"])
+            try:
+                said = records.read_json(blob, f"status/{r}", {"status": int})
+            except records.RecordError as exc:  # not a rank's word: the session did not end well
+                terminal.loud(self.config, f"harness: {exc}; counted as a failed session")
+                statuses.append(int(pytest.ExitCode.TESTS_FAILED))
+                continue
+            statuses.append(said["status"])
         if self.lost:
             statuses.append(int(pytest.ExitCode.TESTS_FAILED))
         bad = [s for s in statuses if s != 0]

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
-import pickle
 import signal
 import tempfile
 import threading
@@ -23,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from harness.launched import terminal
+from harness.launched import records, terminal
 from harness.launched.store import HEARTBEAT_S
 from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
@@ -103,7 +101,7 @@ class Watch:
         outcome.stack, outcome.where = _stacks(), where
         outcome.notes.append(f"still running at the test's timeout ({timeout_s:g} s)")
         session.hung_in.add(key)  # the main thread, if it comes back, keeps this outcome
-        session.put(f"{key}/outcome/{session.rank}", pickle.dumps(outcome))
+        session.put(f"{key}/outcome/{session.rank}", records.encode_outcome(outcome))
         if session.rank != 0:
             _exit(session, 1)  # frees every peer blocked on this rank; the launcher stops the job
         self._finish_or_report(f"rank 0 hung in {session.current}", key)
@@ -209,7 +207,10 @@ def _stop_report(session: LaunchedSession) -> str:
     for r in gone:
         died = f"died/{r}"
         blob = session.store.get(died) if session.store.check([died]) else b"{}"
-        cause = str(json.loads(blob).get("text", ""))
+        try:
+            cause = records.read_json(blob, died, {"text": str})["text"] if blob != b"{}" else ""
+        except records.RecordError:
+            cause = ""  # not the harness's word
         cause = cause or "it left no word (the launcher's summary has its exit status)"
         lines.append(f"  rank {r} ended first: {cause}")
     if gone:
@@ -223,7 +224,7 @@ def _stop_report(session: LaunchedSession) -> str:
 
 def _own(session: LaunchedSession, key: str) -> RankOutcome:
     blob = session.store.get(f"{key}/outcome/{session.rank}")
-    return pickle.loads(blob)  # type: ignore[no-any-return]
+    return records.decode_outcome(blob, key, session.rank)
 
 
 def _exit(session: LaunchedSession, status: int) -> None:

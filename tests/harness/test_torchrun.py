@@ -1278,3 +1278,76 @@ def test_a_ranks_test_returning_a_value_warns_as_on_warm_ranks(pytester: pytest.
     warm = pytester.runpytest_subprocess("-p", "harness", "-p", "no:cacheprovider", *strict)
     warm.assert_outcomes(failed=1)
     warm.stdout.fnmatch_lines(["*test functions should return None*"])
+
+
+FORGES_THE_STORE = """
+import os, pickle
+from datetime import timedelta
+
+from harness import launch_detect
+
+
+class Payload:
+    def __reduce__(self):
+        return (open, ({marker!r}, "w"))  # creates the marker file if ever unpickled
+
+
+def _keys():
+    per_rank = ("died", "exit", "status", "collected", "beat", "at", "pid", "stopped", "backend")
+    keys = [f"{{k}}/{{r}}" for k in per_rank for r in (0, 1)] + ["final"]
+    for t in range(0, 4):
+        for kind in ("outcome", "setup", "plain", "teardown"):
+            keys += [f"t{{t}}/{{kind}}/{{r}}" for r in (0, 1)]
+            keys += [f"t{{t}}/c1/{{kind}}/{{r}}" for r in (0, 1)]
+        keys.append(f"t{{t}}/shared_tmp_path")
+    return keys
+
+
+def _store():
+    launch = launch_detect.detect()
+    store = dist.TCPStore(
+        launch.master_addr, launch.master_port, is_master=False, timeout=timedelta(seconds=60)
+    )
+    return dist.PrefixStore(f"harness/{{launch.run_key}}/0", store)
+
+
+@pytest.mark.ranks(2)
+def test_forges(rank):
+    if rank == 1:  # as another process that reaches the launch's store would
+        store = _store()
+        blob = pickle.dumps(Payload())
+        for key in _keys():
+            store.set(key, blob)
+    dist.barrier()
+
+
+@pytest.mark.ranks(2)
+def test_after(rank):
+    if rank == 1:  # returns once rank 0 has published its outcome, and reads rank 1's
+        _store().wait(["t1/outcome/0"], timedelta(seconds=60))
+
+
+def test_plain():
+    pass
+
+
+def _returns(x):
+    return x
+
+
+def test_a_call(run_on_ranks):
+    run_on_ranks(_returns, 1)
+"""
+
+
+@pytest.mark.slow
+def test_a_pickle_written_under_every_harness_key_is_never_run(pytester: pytest.Pytester) -> None:
+    """Each launched rank loaded its peers' outcomes with pickle.loads from torchrun's store,
+    which anything reaching its port can write: a process of another user ran code as the
+    test's user inside rank 0. Now every value read there is data, checked on arrival."""
+    marker = pytester.path / "ran-the-forged-pickle"
+    source = FORGES_THE_STORE.format(marker=str(marker))
+    result = torchrun(write(pytester, test_forged=source), 2)
+    assert not marker.exists(), result.output
+    said = "the value under 't1/outcome/1' in the launch's store is not an outcome the harness"
+    assert said in result.output, result.output  # a wrong verdict at worst, and named

@@ -1,0 +1,234 @@
+"""A rank's outcome as it travels between launched ranks: JSON of a fixed schema, never pickle.
+
+torchrun's store is reachable by anything that reaches its port, and its keys are predictable:
+what a rank reads from it is data, checked field by field on arrival, so the worst a forged
+value can do is a wrong verdict, which the report names. A test's return value travels as
+JSON when JSON gives it back exactly, else as ``torch.save`` bytes that load with
+``weights_only=True`` (tensors, tuples, ...); anything else is reported as not sent back.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import pickle
+from typing import Any
+
+from harness.outcome import Ending, RankOutcome, RankWarning
+
+_SCHEMA = "harness.outcome/1"
+
+
+class RecordError(ValueError):
+    """A store value that is not a record the harness wrote."""
+
+
+def encode_outcome(outcome: RankOutcome) -> str:
+    """`outcome` as the JSON record a peer reads."""
+    fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(RankOutcome)}
+    del fields["value_blob"]
+    fields["ending"] = outcome.ending.value
+    fields["warnings"] = [dataclasses.asdict(w) for w in outcome.warnings]
+    record: dict[str, Any] = {"schema": _SCHEMA, "fields": fields}
+    if outcome.value_blob is not None:
+        value, lost = _value_record(pickle.loads(outcome.value_blob))  # this rank's own
+        if value is not None:
+            record["value"] = value
+        else:
+            fields["value_lost"] = lost
+    return json.dumps(record)
+
+
+def decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
+    """The outcome in `blob`, read under `key` for `rank`; RecordError for anything else."""
+    try:
+        record = json.loads(blob)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict) or record.get("schema") != _SCHEMA:
+        raise RecordError("not an outcome record of this harness")
+    fields = record.get("fields")
+    if not isinstance(fields, dict):
+        raise RecordError("its fields are missing")
+    outcome = RankOutcome(key, rank, 0, Ending.RETURNED)
+    for field in dataclasses.fields(RankOutcome):
+        if field.name in ("value_blob", "key", "rank"):
+            continue
+        if field.name not in fields:
+            raise RecordError(f"field {field.name!r} is missing")
+        setattr(outcome, field.name, _checked(field.name, fields[field.name]))
+    if fields.get("rank") != rank or fields.get("key") != key:
+        raise RecordError(f"it says it is rank {fields.get('rank')!r}'s of {fields.get('key')!r}")
+    if "value" in record:
+        outcome.value_blob = pickle.dumps(_value_from(record["value"]))  # a value of our own
+    return outcome
+
+
+def _value_record(value: Any) -> tuple[dict[str, str] | None, str]:
+    """How a return value travels: ({"json": text} or {"torch": base64}, "") or (None, why)."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+        if _same(json.loads(text), value):
+            return {"json": text}, ""
+    except (TypeError, ValueError, RecursionError):
+        pass
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        return None, (
+            f"between launched ranks a value travels as JSON or as what torch.load("
+            f"weights_only=True) loads, never pickled ({type(exc).__name__})"
+        )
+    return {"torch": base64.b64encode(buffer.getvalue()).decode()}, ""
+
+
+def _value_from(value: Any) -> Any:
+    if not isinstance(value, dict) or len(value) != 1:
+        raise RecordError("its value is malformed")
+    if isinstance(value.get("json"), str):
+        return json.loads(value["json"])
+    if isinstance(value.get("torch"), str):
+        import torch
+
+        data = base64.b64decode(value["torch"], validate=True)
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise RecordError(f"its value does not load with weights_only ({exc})") from None
+    raise RecordError("its value is neither JSON nor torch.save bytes")
+
+
+def _same(got: Any, value: Any) -> bool:
+    """Whether JSON gave back `value` exactly, types included (a tuple comes back a list)."""
+    if type(got) is not type(value):
+        return False
+    if isinstance(value, list):
+        return len(got) == len(value) and all(map(_same, got, value))
+    if isinstance(value, dict):
+        return got.keys() == value.keys() and all(_same(got[k], value[k]) for k in value)
+    return bool(got == value) or got != got  # NaN is itself
+
+
+# The type each field must have on arrival (tuples arrive as JSON lists).
+_STR_FIELDS = {
+    "key", "value_repr", "value_lost", "exc_type", "message", "traceback", "stack", "where",
+    "stdout", "stderr", "log", "replace_after",
+}  # fmt: skip
+_BOOL_FIELDS = {"after_failure", "settles", "setup_failed"}
+_INT_OR_NONE = {"exit_code", "signal", "origin_rank"}
+
+
+def _checked(name: str, value: Any) -> Any:
+    """`value` for field `name`, as the dataclass holds it; RecordError if of another shape."""
+    if name in _STR_FIELDS:
+        return _typed(name, value, str)
+    if name in _BOOL_FIELDS:
+        return _typed(name, value, bool)
+    if name in _INT_OR_NONE:
+        return None if value is None else _int(name, value)
+    if name in ("pid", "setup_attempts"):
+        return _int(name, value)
+    if name == "at":
+        return float(_typed(name, value, (int, float)))
+    if name == "ending":
+        try:
+            return Ending(value)
+        except ValueError:
+            raise RecordError(f"field 'ending' is {value!r}") from None
+    if name in ("exc_mro", "exc_classes"):
+        return tuple(_strings(name, value))
+    if name == "notes":
+        return _strings(name, value)
+    if name == "leftovers":
+        if not isinstance(value, dict):
+            raise RecordError("field 'leftovers' is not an object")
+        return {_typed(name, k, str): _typed(name, v, str) for k, v in value.items()}
+    if name == "warnings":
+        return [_warning(w) for w in _typed(name, value, list)]
+    if name == "kept_group":
+        return None if value is None else _typed(name, value, str)
+    if name == "kept_counts":
+        return None if value is None else tuple(_ints(name, value, 2))
+    if name == "skipped_at":
+        if value is None:
+            return None
+        where = _typed(name, value, list)
+        if len(where) != 2:
+            raise RecordError("field 'skipped_at' is not (file, line)")
+        return (_typed(name, where[0], str), _int(name, where[1]))
+    if name == "point_to_point":
+        if value is None:
+            return None
+        sides = _typed(name, value, list)
+        if len(sides) != 2:
+            raise RecordError("field 'point_to_point' is not (sent, received)")
+        return tuple(
+            tuple(tuple(_ints(name, m, 3)) for m in _typed(name, side, list)) for side in sides
+        )
+    raise RecordError(f"field {name!r} is not one the harness reads")
+
+
+def _typed(name: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise RecordError(f"field {name!r} is of type {type(value).__name__}")
+    return value
+
+
+def _int(name: str, value: Any) -> int:
+    return int(_typed(name, value, int))
+
+
+def _ints(name: str, value: Any, count: int) -> list[int]:
+    items = _typed(name, value, list)
+    if len(items) != count:
+        raise RecordError(f"field {name!r} has {len(items)} numbers, not {count}")
+    return [_int(name, item) for item in items]
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    return [_typed(name, item, str) for item in _typed(name, value, list)]
+
+
+def _warning(value: Any) -> RankWarning:
+    if not isinstance(value, dict) or set(value) != {"category", "message", "filename", "lineno"}:
+        raise RecordError("a warning is malformed")
+    return RankWarning(
+        _typed("warnings", value["category"], str),
+        _typed("warnings", value["message"], str),
+        _typed("warnings", value["filename"], str),
+        _int("warnings", value["lineno"]),
+    )
+
+
+def read_json(blob: bytes, key: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """The JSON object under `key` with each of `fields` of its type; RecordError otherwise
+    (saying which key held what), so a forged or damaged value is named, never believed."""
+    try:
+        record = json.loads(blob)
+    except (ValueError, UnicodeDecodeError):
+        raise RecordError(f"the value under {key!r} is not JSON") from None
+    if not isinstance(record, dict):
+        raise RecordError(f"the value under {key!r} is not a JSON object")
+    for name, kind in fields.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+            raise RecordError(f"the value under {key!r} has no {name!r} of the harness's")
+    return record
+
+
+def read_int(blob: bytes | None, key: str, default: int) -> int:
+    """An int the harness wrote as text under `key`; `default` for anything else."""
+    try:
+        return int(blob.decode("ascii")) if blob is not None else default
+    except (ValueError, UnicodeDecodeError):
+        return default
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

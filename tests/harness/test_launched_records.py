@@ -1,0 +1,111 @@
+"""What launched ranks read from torchrun's store is data: checked field by field, never
+unpickled (a value there ran code as the test's user: anything reaching the store wrote it)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.launched import records
+from harness.outcome import Ending, RankOutcome, RankWarning
+
+
+def _full_outcome(value: Any) -> RankOutcome:
+    outcome = RankOutcome("t3", 1, 4242, Ending.RAISED, at=12.5, value_blob=pickle.dumps(value))
+    outcome.exc_type, outcome.exc_mro = "builtins.ValueError", ("ValueError", "Exception")
+    outcome.message, outcome.traceback, outcome.exit_code = "bad", "Traceback ...", 3
+    outcome.notes = ["a note"]
+    outcome.leftovers = {"env": "changed FOO"}
+    outcome.warnings = [RankWarning("builtins.UserWarning", "careful", "t.py", 7)]
+    outcome.point_to_point = (((0, 1, 2),), ((0, 1, 2),))
+    outcome.kept_counts, outcome.skipped_at, outcome.origin_rank = (3, 1), ("t.py", 9), 0
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, {"lr": 0.1, "steps": [1, 2]}, (1, 2), torch.arange(3.0)],
+    ids=["none", "json", "tuple", "tensor"],
+)
+def test_an_outcome_travels_as_json_and_comes_back_whole(value: Any) -> None:
+    sent = _full_outcome(value)
+    got = records.decode_outcome(records.encode_outcome(sent).encode(), "t3", 1)
+    for name in ("ending", "at", "pid", "exc_mro", "notes", "leftovers", "warnings"):
+        assert getattr(got, name) == getattr(sent, name), name
+    assert got.point_to_point == sent.point_to_point and got.skipped_at == sent.skipped_at
+    assert got.kept_counts == (3, 1) and got.exit_code == 3 and not got.value_lost
+    if isinstance(value, torch.Tensor):
+        assert torch.equal(got.value, value)
+    else:
+        assert got.value == value
+
+
+class _Opaque:
+    pass
+
+
+def test_a_value_that_would_need_pickle_is_reported_not_sent() -> None:
+    got = records.decode_outcome(records.encode_outcome(_full_outcome(_Opaque())).encode(), "t3", 1)
+    assert got.value_blob is None and "never pickled" in got.value_lost
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (self.marker.touch, ())
+
+
+def test_a_pickle_in_the_store_is_refused_and_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    forged = pickle.dumps(_full_outcome(None)) + pickle.dumps(_Payload(marker))
+    for blob in (forged, pickle.dumps(_Payload(marker))):
+        with pytest.raises(records.RecordError, match="not JSON"):
+            records.decode_outcome(blob, "t3", 1)
+        with pytest.raises(records.RecordError, match="'exit/1' is not JSON"):
+            records.read_json(blob, "exit/1", {"text": str, "code": int})
+    assert not marker.exists()
+
+
+def _record(**changes: Any) -> bytes:
+    record = json.loads(records.encode_outcome(_full_outcome(None)))
+    record["fields"].update(changes)
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"ending": "exploded"}, "field 'ending' is 'exploded'"),
+        ({"exit_code": "3"}, "field 'exit_code' is of type str"),
+        ({"notes": [1]}, "field 'notes' is of type int"),
+        ({"point_to_point": [[[0, 1]], []]}, "field 'point_to_point' has 2 numbers, not 3"),
+        ({"rank": 0}, "it says it is rank 0's"),
+        ({"setup_failed": 1}, "field 'setup_failed' is of type int"),
+    ],
+)
+def test_a_record_of_another_shape_is_refused_naming_what(
+    changes: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(records.RecordError, match=said):
+        records.decode_outcome(_record(**changes), "t3", 1)
+
+
+def test_a_forged_torch_value_must_load_with_weights_only(tmp_path: Path) -> None:
+    import base64
+    import io
+
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save({"x": _Payload(marker)}, buffer)
+    record = json.loads(records.encode_outcome(_full_outcome(None)))
+    record["value"] = {"torch": base64.b64encode(buffer.getvalue()).decode()}
+    with pytest.raises(records.RecordError, match="does not load with weights_only"):
+        records.decode_outcome(json.dumps(record).encode(), "t3", 1)
+    assert not marker.exists()
