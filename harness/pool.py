@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import environment, reaper
+from harness import environment, loopback, reaper
 from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
@@ -635,9 +635,7 @@ class Pools:
     @property
     def store(self) -> Any:
         if self._store is None:
-            from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self._store = loopback.store()
         return self._store
 
     def get(self, key: PoolKey) -> Pool:
@@ -753,12 +751,8 @@ class Pools:
         return task.for_ranks(spec.world_size), launch_store
 
     def _launch_store(self) -> Any:
-        """A store for one launch-mode run, as torchrun's agent hosts one: bound to port 0."""
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-        return TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        """A store for one launch-mode run, as torchrun's agent hosts one: on a free port."""
+        return loopback.store(timeout=timedelta(seconds=60))
 
     def close(self) -> list[int]:
         """Kill every rank; return the pids of any still alive 5 s later (there should be none)."""

@@ -27,10 +27,11 @@ import os
 import pickle
 import random
 import signal
+import socket
 import sys
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -475,17 +476,43 @@ def _init_group(task: RunTask, store: Any) -> None:
     kwargs: dict[str, Any] = {}
     if spec.backend == "nccl":
         kwargs["device_id"] = torch.device(task.device)
-    dist.init_process_group(
-        spec.backend,
-        store=store,
-        rank=task.rank,
-        world_size=spec.world_size,
-        timeout=_group_timeout(spec),
-        **kwargs,
-    )
+    with _gloo_on_loopback(spec.backend):
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=task.rank,
+            world_size=spec.world_size,
+            timeout=_group_timeout(spec),
+            **kwargs,
+        )
     failures = int(os.environ.get(SIMULATED_SET_UP_FAILURES, "0"))
     if task.rank == 1 and task.setup_attempt <= failures:  # the harness's own tests only
         raise RuntimeError(f"simulated set-up failure (attempt {task.setup_attempt})")
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(backend: str) -> Iterator[None]:
+    """gloo listens where the host name resolves unless told an interface: the harness's own
+    groups (every rank on this machine) listen on the loopback interface, out of reach of
+    other hosts. A GLOO_SOCKET_IFNAME the test's environment sets is left as it is."""
+    name = "GLOO_SOCKET_IFNAME"
+    if "gloo" not in backend or name in os.environ:
+        yield
+        return
+    os.environ[name] = _LOOPBACK_INTERFACE
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else "lo"
+
+
+_LOOPBACK_INTERFACE = _loopback_interface()
 
 
 class _SetUpFailed(Exception):
