@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import environment, loopback, reaper
+from harness import environment, loopback, reaper, signing
 from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
@@ -631,6 +631,7 @@ class Pools:
         # then another) gets spare ranks, never a place in the queue of busy ones.
         self._busy: set[PoolKey] = set()
         self._lock = threading.Lock()
+        self.secret = signing.new_secret()  # for the keys the ranks write in the store
 
     @property
     def store(self) -> Any:
@@ -738,6 +739,7 @@ class Pools:
             store_host="127.0.0.1",
             store_port=self.store.port,
             store_prefix=f"run{serial}/",
+            secret=self.secret,
             launch_port=launch_store.port if launch_store is not None else None,
             attempt=serial,
             setup_attempt=setup_attempt,

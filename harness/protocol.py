@@ -223,6 +223,9 @@ class RunTask:
     cwd: str = "."
     env: dict[str, str] | None = None  # the pytest process's at run time; None: leave the rank's
     current_test: str | None = None  # its PYTEST_CURRENT_TEST, apart: it changes every run
+    # The session's secret for the keys the ranks write in the pytest process's store (see
+    # signing.py): it travels over the rank's private pipe only.
+    secret: bytes | None = None
     # What it has in common with the other ranks' tasks of its run, pickled once for them all.
     _common: _Common = field(default_factory=_Common, init=False, compare=False, repr=False)
 

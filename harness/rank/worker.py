@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import endings, environment, hygiene, rank_warnings, reaper
+from harness import endings, environment, hygiene, rank_warnings, reaper, signing
 from harness.faults import Fault, Injector, rankwise_points
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome, exit_code
@@ -526,14 +526,21 @@ def _agree_on_set_up(task: RunTask, store: Any, error: str) -> None:
     would run the body and fail in its first collective, blamed on the test.
     """
     world = task.spec.world_size
-    keys = [f"setup/{r}" for r in range(world)]
-    store.set(keys[task.rank], error)
+    keys = [signing.key(task.secret, f"setup/{r}") for r in range(world)]
+    where = [f"{task.store_prefix}{k}" for k in keys]
+    store.set(keys[task.rank], signing.sign(task.secret, where[task.rank], error))
     store.wait(keys, timedelta(seconds=task.spec.timeout_s))
-    failed = [
-        f"rank {r}: {status.decode(errors='replace')}"
-        for r, status in enumerate(store.multi_get(keys))
-        if status
-    ]
+    failed = []
+    for r, blob in enumerate(store.multi_get(keys)):
+        status = signing.verify(task.secret, where[r], blob)
+        if status is None:  # not this session's rank: named, never believed
+            failed.append(
+                f"rank {r}: harness error: unsigned value for {where[r]} in the store at "
+                f"{task.store_host}:{task.store_port}, ignored (another process writes to "
+                f"the session's store)"
+            )
+        elif status:
+            failed.append(f"rank {r}: {status.decode(errors='replace')}")
     if failed:
         raise _SetUpFailed("; ".join(failed))
 
