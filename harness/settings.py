@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import unittest
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
@@ -51,6 +51,12 @@ OPTIONS: list[tuple[str, str, str]] = [
         "N",
     ),
     ("rank_adopt", "run torch's MultiProcessTestCase suites on warm ranks: torch", "KIND"),
+    (
+        "rank_secret_file",
+        "under torchrun: a file only you can read (mode 0600) holding the secret that signs "
+        "the harness's values in torchrun's store (or set HARNESS_SECRET)",
+        "PATH",
+    ),
 ]
 ADOPTERS = ("torch",)  # the --rank-adopt values: which existing test bases run on warm ranks
 
@@ -73,6 +79,9 @@ class Settings:
     show_locals: int | None = None  # --showlocals in rank tracebacks (see endings.LocalsShown)
     stray_warnings: frozenset[str] = frozenset({"thread", "unraisable"})  # see RankSpec
     runxfail: bool = False
+    # Under torchrun: the secret the user gave (HARNESS_SECRET or --rank-secret-file) that
+    # signs the harness's values in torchrun's store; None runs unsigned (and says so).
+    secret: bytes | None = field(default=None, repr=False)
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -122,6 +131,7 @@ def configure(config: pytest.Config) -> Settings:
             show_locals=_show_locals(config),
             stray_warnings=_stray_warnings(config),
             runxfail=bool(config.getoption("runxfail", False)),
+            secret=_secret(config) if launched is not None else None,
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -178,6 +188,34 @@ def settings_of(config: pytest.Config) -> Settings:
     """The session's settings (resolved on first use where configure has not run)."""
     found = config.stash.get(_settings_key, None)
     return found if found is not None else configure(config)
+
+
+SECRET_VARIABLE = "HARNESS_SECRET"
+
+
+def _secret(config: pytest.Config) -> bytes | None:
+    """The launch's secret: HARNESS_SECRET, else the file --rank-secret-file names (which no
+    one else may read: a secret in a world-readable file is none)."""
+    given = os.environ.get(SECRET_VARIABLE)
+    if given:
+        return given.encode()
+    path = _from_option(config, "rank_secret_file", None, lambda value, _: str(value))
+    if path is None:
+        return None
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise SpecError(f"harness: --rank-secret-file {path}: {exc}") from None
+    if mode & 0o077:
+        raise SpecError(
+            f"harness: --rank-secret-file {path} can be read by others (mode "
+            f"{mode & 0o777:o}); make it yours alone: chmod 600 {path}"
+        )
+    if not secret:
+        raise SpecError(f"harness: --rank-secret-file {path} is empty")
+    return secret
 
 
 def _from_option(config: pytest.Config, name: str, default: Any, check: Any) -> Any:

@@ -74,7 +74,10 @@ def agree_on_set_up(
         session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
     with runner.pytest_timeout_paused(item):  # a slow peer's set-up is its own to time
         found = session.gather(f"{key}/setup", said, ARRIVE_S)
-    by_rank = {r: (blob.decode() if blob is not None else None) for r, blob in enumerate(found)}
+    by_rank = {
+        r: (blob.decode(errors="replace") if blob is not None else None)
+        for r, blob in enumerate(found)
+    }
     failed = {r: s for r, s in by_rank.items() if s}
     if any(s is None for s in by_rank.values()):
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))

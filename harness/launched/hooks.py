@@ -171,7 +171,7 @@ class LaunchedRanks:
         found = launched.get(key, timeout_s)
         if found is None:
             pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
-        return Path(found.decode())
+        return Path(found.decode(errors="replace"))
 
 
 def set_up(

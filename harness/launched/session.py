@@ -109,7 +109,7 @@ class LaunchedSession:
 
     def connect(self) -> None:
         """Join the launch's store; start saying this rank is alive."""
-        self.peers = Peers(self.launch, AGREE_S)
+        self.peers = Peers(self.launch, AGREE_S, settings_of(self.config).secret)
         self.peers.position = lambda: self.stage
         self.peers.name_of = self._name_of
         # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
@@ -127,8 +127,9 @@ class LaunchedSession:
         return self.peers is not None and self.peers.stopping
 
     def put(self, key: str, value: bytes | str) -> None:
+        assert self.peers is not None, "the launched session is not connected"
         self._track(key)
-        self.store.set(key, value)
+        self.peers.put(key, value)
 
     def _track(self, key: str) -> None:
         """Remember a test's own keys ("t<index>/..."), to delete them once all have read."""

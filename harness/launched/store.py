@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from harness import reaper
+from harness import reaper, signing
 from harness.launch_detect import Launch
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
@@ -36,7 +36,7 @@ _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"  # a frame's fi
 class Peers:
     """This rank's client of the launch's store, under a prefix of this attempt of the job."""
 
-    def __init__(self, launch: Launch, timeout_s: float) -> None:
+    def __init__(self, launch: Launch, timeout_s: float, secret: bytes | None = None) -> None:
         base = dist.TCPStore(  # type: ignore[attr-defined]
             launch.master_addr,
             launch.master_port,
@@ -47,9 +47,13 @@ class Peers:
         )
         # A restart after a membership change keeps TORCHELASTIC_RESTART_COUNT: count the
         # arrivals instead, so a new attempt never reads the last one's keys.
-        arrival = base.add(f"harness/{launch.run_key}/arrivals", 1) - 1
-        self.prefix = f"harness/{launch.run_key}/{arrival // launch.world_size}"
+        # With a secret every key's name carries a tag only its holders can compute.
+        self.secret = secret
+        run = signing.key(secret, f"harness/{launch.run_key}")
+        arrival = base.add(f"{run}/arrivals", 1) - 1
+        self.prefix = f"{run}/{arrival // launch.world_size}"
         self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
+        self.refused: list[str] = []  # keys whose value failed the signature check
         self.rank, self.world_size = launch.rank, launch.world_size
         self.stopping = False  # set when the launcher's SIGTERM came
         self.position: Callable[[], int] = lambda: 0  # where this rank is (see at/<rank>)
@@ -61,18 +65,32 @@ class Peers:
         self.silent_elsewhere_s = SILENT_AFTER_S
 
     def put(self, key: str, value: bytes | str) -> None:
-        self.store.set(key, value)
+        self.store.set(self._name(key), signing.sign(self.secret, self._where(key), value))
 
     def has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
+        return bool(self.store.check([self._name(key)]))
 
     def read(self, key: str) -> bytes | None:
-        return self.store.get(key) if self.has(key) else None
+        """The value under `key`; None if absent, or if its signature does not hold (then it
+        is noted in `refused`, to be reported, and never believed)."""
+        if not self.has(key):
+            return None
+        blob = self.store.get(self._name(key))
+        value = signing.verify(self.secret, self._where(key), blob)
+        if value is None and key not in self.refused:
+            self.refused.append(key)
+        return value
 
     def drop(self, keys: list[str]) -> None:
         for key in keys:
             with contextlib.suppress(Exception):
-                self.store.delete_key(key)
+                self.store.delete_key(self._name(key))
+
+    def _name(self, key: str) -> str:
+        return signing.key(self.secret, key)
+
+    def _where(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
 
     def beat(self) -> None:
         """Say this rank is alive, whether its main thread is inside torch.distributed, and
@@ -134,7 +152,7 @@ class Peers:
             self._silent(r)
         for _ in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
-            if not waiting or self.store.check([keys[r] for r in waiting]):
+            if not waiting or self.store.check([self._name(keys[r]) for r in waiting]):
                 return given_up
             if time.monotonic() - looked >= _ABSENTEES_EVERY_S:
                 looked = time.monotonic()

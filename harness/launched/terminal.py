@@ -55,6 +55,7 @@ def summary(launched: LaunchedSession, reporter: Any) -> None:
     """Rank 0's last words: collection errors on other ranks, and why the session ended early."""
     if launched.real_writer is not None:
         return  # a quiet rank
+    _signatures(launched, reporter)
     going_on = reporter.config.getoption("continue_on_collection_errors", False)
     if launched.peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
         reporter.write_sep("=", "harness: collection errors on other ranks", red=True)
@@ -68,3 +69,25 @@ def summary(launched: LaunchedSession, reporter: Any) -> None:
     reporter.write_line(f"tests not run ({len(left)}):")
     for nodeid in left:
         reporter.write_line(f"  {nodeid}")
+
+
+def _signatures(launched: LaunchedSession, reporter: Any) -> None:
+    """Say whether the session's values in torchrun's store were signed, and which values
+    failed the check (ignored, never believed)."""
+    peers = launched.peers
+    if peers is None:
+        return
+    if peers.secret is None:
+        reporter.write_line(
+            "harness: this launched session ran unsigned (no HARNESS_SECRET or "
+            "--rank-secret-file): a process that reaches torchrun's store could change a "
+            "verdict, though never run code here; see docs/security.md",
+            yellow=True,
+        )
+    if peers.refused:
+        reporter.write_sep("=", "harness: values that failed the signature check", red=True)
+        reporter.write_line(
+            f"ignored {len(peers.refused)} value(s) in torchrun's store not signed with this "
+            f"session's secret (another process writes there, or a rank was given another "
+            f"secret): {', '.join(peers.refused[:10])}"
+        )

@@ -201,12 +201,13 @@ class Watch:
 def _stop_report(session: LaunchedSession) -> str:
     others = [r for r in range(session.world_size) if r != session.rank]
     session.wait([f"stopped/{r}" for r in others], STOPPED_WAIT_S)
-    gone = [r for r in others if not session.store.check([f"stopped/{r}"])]
+    assert session.peers is not None
+    gone = [r for r in others if not session.peers.has(f"stopped/{r}")]
     during = f"during {session.current}" if session.current else "between tests"
     lines = [f"harness: the launcher stopped the job {during}."]
     for r in gone:
         died = f"died/{r}"
-        blob = session.store.get(died) if session.store.check([died]) else b"{}"
+        blob = session.peers.read(died) or b"{}"
         try:
             cause = records.read_json(blob, died, {"text": str})["text"] if blob != b"{}" else ""
         except records.RecordError:
@@ -223,7 +224,8 @@ def _stop_report(session: LaunchedSession) -> str:
 
 
 def _own(session: LaunchedSession, key: str) -> RankOutcome:
-    blob = session.store.get(f"{key}/outcome/{session.rank}")
+    assert session.peers is not None
+    blob = session.peers.read(f"{key}/outcome/{session.rank}") or b""
     return records.decode_outcome(blob, key, session.rank)
 
 

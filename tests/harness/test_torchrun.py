@@ -36,7 +36,11 @@ class Launched:
 
 
 def torchrun(
-    directory: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S
+    directory: Path,
+    nproc: int,
+    *args: str,
+    timeout: float = LAUNCH_TIMEOUT_S,
+    extra_env: dict[str, str] | None = None,
 ) -> Launched:
     junit = directory / "junit.xml"
     command = [
@@ -57,6 +61,7 @@ def torchrun(
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
     env["OMP_NUM_THREADS"] = "1"
+    env.update(extra_env or {})
     done = subprocess.run(
         command,
         cwd=directory,
@@ -1297,7 +1302,8 @@ def _keys():
     keys = [f"{{k}}/{{r}}" for k in per_rank for r in (0, 1)] + ["final"]
     for t in range(0, 4):
         for kind in ("outcome", "setup", "plain", "teardown"):
-            keys += [f"t{{t}}/{{kind}}/{{r}}" for r in (0, 1)]
+            if (t, kind) != (1, "setup"):  # test_after sets up, so its outcome is read
+                keys += [f"t{{t}}/{{kind}}/{{r}}" for r in (0, 1)]
             keys += [f"t{{t}}/c1/{{kind}}/{{r}}" for r in (0, 1)]
         keys.append(f"t{{t}}/shared_tmp_path")
     return keys
@@ -1324,7 +1330,10 @@ def test_forges(rank):
 @pytest.mark.ranks(2)
 def test_after(rank):
     if rank == 1:  # returns once rank 0 has published its outcome, and reads rank 1's
-        _store().wait(["t1/outcome/0"], timedelta(seconds=60))
+        try:  # under keys named with a secret, the forger never sees it published
+            _store().wait(["t1/outcome/0"], timedelta(seconds=float(os.environ["FORGER_WAIT_S"])))
+        except Exception:
+            pass
 
 
 def test_plain():
@@ -1347,7 +1356,37 @@ def test_a_pickle_written_under_every_harness_key_is_never_run(pytester: pytest.
     test's user inside rank 0. Now every value read there is data, checked on arrival."""
     marker = pytester.path / "ran-the-forged-pickle"
     source = FORGES_THE_STORE.format(marker=str(marker))
-    result = torchrun(write(pytester, test_forged=source), 2)
+    result = torchrun(write(pytester, test_forged=source), 2, extra_env={"FORGER_WAIT_S": "60"})
     assert not marker.exists(), result.output
-    said = "the value under 't1/outcome/1' in the launch's store is not an outcome the harness"
-    assert said in result.output, result.output  # a wrong verdict at worst, and named
+    # A wrong verdict at worst (which forged value a rank reads first is a race), and the
+    # report says the session ran unsigned.
+    assert "this launched session ran unsigned" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_with_a_secret_values_written_under_the_harness_keys_change_no_verdict(
+    pytester: pytest.Pytester,
+) -> None:
+    """With a secret the keys' names carry a tag the forger cannot compute, and every value
+    is signed: the same forgery reaches nothing."""
+    marker = pytester.path / "ran-the-forged-pickle"
+    source = FORGES_THE_STORE.format(marker=str(marker))
+    directory = write(pytester, test_forged=source)
+    secret = {"HARNESS_SECRET": "s3cret-of-this-job", "FORGER_WAIT_S": "3"}
+    result = torchrun(directory, 2, extra_env=secret)
+    assert not marker.exists(), result.output
+    assert set(junit_cases(result.junit).values()) == {"passed"}, result.output
+    assert "ran unsigned" not in result.output and "not an outcome" not in result.output
+
+
+@pytest.mark.slow
+def test_a_secret_file_others_can_read_is_refused(pytester: pytest.Pytester) -> None:
+    secret = pytester.path / "secret"
+    secret.write_text("s3cret")
+    secret.chmod(0o644)
+    directory = write(pytester, test_ok="def test_ok():\n    pass\n")
+    result = torchrun(directory, 2, f"--rank-secret-file={secret}")
+    assert result.returncode != 0
+    assert f"chmod 600 {secret}" in result.output, result.output
+    secret.chmod(0o600)
+    assert torchrun(directory, 2, f"--rank-secret-file={secret}").returncode == 0
