@@ -6,7 +6,16 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import adopt, collectives, compute, harness_overhead, plots, suite, wire
+from benchmarks import (
+    adopt,
+    collectives,
+    compute,
+    harness_overhead,
+    plots,
+    signing,
+    suite,
+    wire,
+)
 from benchmarks._common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -47,6 +56,9 @@ def main() -> int:
     _write(lines)
     print("measuring the sender's cost of a value that travels...", flush=True)
     lines += wire.main()
+    _write(lines)
+    print("measuring the cost of signing the store keys...", flush=True)
+    lines += signing.main()
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
     _write(lines)
     print("\n".join(lines))

@@ -72,3 +72,29 @@ def test_the_group_the_harness_sets_up_listens_on_loopback(rank: int) -> None:
     addresses = {address for address, _, inode in _listeners() if inode in mine}
     assert addresses == {_LOOPBACK_V4}, addresses
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # set for the harness's set-up alone
+
+
+def _private(path: Path) -> bool:
+    return path.stat().st_mode & 0o077 == 0
+
+
+def _nothing() -> None:
+    return None
+
+
+def test_the_work_directory_is_private(run_on_ranks: Any, request: pytest.FixtureRequest) -> None:
+    """Another local user can read none of what ranks write: the session's work directory
+    (each rank's output, stacks and where-buffer live below it) is 0700."""
+    run_on_ranks(_nothing, world_size=2)  # the pools and their files exist
+    pools = ranks.pools_of(request.config)
+    workdir = pools._workdir
+    assert _private(workdir)
+    rank_dirs = [d for d in workdir.iterdir() if d.is_dir()]
+    assert rank_dirs and all(_private(d) for d in rank_dirs)
+    assert any(f.name.startswith("rank0.") for d in rank_dirs for f in d.iterdir())
+
+
+@pytest.mark.ranks(2)
+def test_shared_tmp_path_is_private(rank: int, shared_tmp_path: Path) -> None:
+    """pytest's base temporary directory (below which it lies) is the user's alone."""
+    assert any(_private(parent) for parent in [shared_tmp_path, *shared_tmp_path.parents][:4])
