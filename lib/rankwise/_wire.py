@@ -117,13 +117,17 @@ def _holds(value: Any, kind: type, seen: set[int], depth: int) -> bool:
     if depth >= _MAX_DEPTH or id(value) in seen or isinstance(value, (str, bytes)):
         return False
     seen.add(id(value))
+    return any(_holds(item, kind, seen, depth + 1) for item in _members(value, False))
+
+
+def _members(value: Any, attributes: bool) -> Any:
+    """What `value` holds: a dict's keys and values, a sequence's or a set's items, else
+    (with `attributes`) the values of its attributes; nothing for anything else."""
     if isinstance(value, dict):
-        items: Any = [*value.keys(), *value.values()]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    else:
-        return False
-    return any(_holds(item, kind, seen, depth + 1) for item in items)
+        return [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    return getattr(value, "__dict__", {}).values() if attributes else ()
 
 
 @dataclass
@@ -310,13 +314,7 @@ def _tensors_in(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(value, (str, bytes, int, float)) or id(value) in seen:
         return
     seen.add(id(value))
-    if isinstance(value, dict):
-        items: Any = [*value.keys(), *value.values()]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    else:
-        items = getattr(value, "__dict__", {}).values()
-    for item in items:
+    for item in _members(value, True):
         yield from _tensors_in(item, seen)
 
 

@@ -58,3 +58,23 @@ def test_values_another_process_writes_in_the_store_change_no_verdict(
     for _ in range(8):
         out = run_on_ranks(_rank, world_size=2)
         assert out.values == [0, 1], out.report()
+
+
+def test_another_user_cannot_change_a_verdict_through_the_store(
+    run_on_ranks: Any, request: pytest.FixtureRequest
+) -> None:
+    """As user nobody, through the store's port: the forged set-up failures under the keys
+    as they were named reach no rank (the keys carry a tag of the session's secret)."""
+    from tests.harness import other_user
+
+    if other_user.skip_reason() is not None:
+        pytest.skip(other_user.skip_reason())
+    run_on_ranks(_rank, world_size=2)
+    pools = ranks.pools_of(request.config)
+    serial = next(pools._serial)
+    forged = b"ForgedError: written by another user"
+    items = {f"run{run}//setup/{r}": forged for run in range(serial, serial + 40) for r in (0, 1)}
+    other_user.write(pools.store.port, items)
+    for _ in range(8):
+        out = run_on_ranks(_rank, world_size=2)
+        assert out.values == [0, 1], out.report()

@@ -1317,13 +1317,28 @@ def _store():
     return dist.PrefixStore(f"harness/{{launch.run_key}}/0", store)
 
 
+def _as_nobody(blob):  # the same keys, set by user nobody through the store's port
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("other_user", os.environ["OTHER_USER"])
+    other_user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other_user)
+    launch = launch_detect.detect()
+    prefix = f"harness/{{launch.run_key}}/0/"
+    other_user.write(launch.master_port, {{prefix + key: blob for key in _keys()}})
+
+
 @pytest.mark.ranks(2)
 def test_forges(rank):
     if rank == 1:  # as another process that reaches the launch's store would
-        store = _store()
         blob = pickle.dumps(Payload())
-        for key in _keys():
-            store.set(key, blob)
+        if os.environ.get("OTHER_USER"):
+            _as_nobody(blob)
+        else:
+            store = _store()
+            for key in _keys():
+                store.set(key, blob)
+        open({marker!r} + ".forged", "w").close()  # every key was written
     dist.barrier()
 
 
@@ -1350,17 +1365,28 @@ def test_a_call(run_on_ranks):
 
 
 @pytest.mark.slow
-def test_a_pickle_written_under_every_harness_key_is_never_run(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("forger", ["another_process", "another_user"])
+def test_a_pickle_written_under_every_harness_key_is_never_run(
+    pytester: pytest.Pytester, forger: str
+) -> None:
     """Each launched rank loaded its peers' outcomes with pickle.loads from torchrun's store,
     which anything reaching its port can write: a process of another user ran code as the
     test's user inside rank 0. Now every value read there is data, checked on arrival."""
+    from tests.harness import other_user
+
+    env = {"FORGER_WAIT_S": "60"}
+    if forger == "another_user":
+        if other_user.skip_reason() is not None:
+            pytest.skip(other_user.skip_reason())
+        env["OTHER_USER"] = other_user.__file__
     marker = pytester.path / "ran-the-forged-pickle"
     source = FORGES_THE_STORE.format(marker=str(marker))
-    result = torchrun(write(pytester, test_forged=source), 2, extra_env={"FORGER_WAIT_S": "60"})
+    result = torchrun(write(pytester, test_forged=source), 2, extra_env=env)
     assert not marker.exists(), result.output
     # A wrong verdict at worst (which forged value a rank reads first is a race), and the
     # report says the session ran unsigned.
     assert "this launched session ran unsigned" in result.output, result.output
+    assert Path(f"{marker}.forged").exists(), result.output  # the forger wrote every key
 
 
 @pytest.mark.slow
