@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-slow test-faults bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,16 +26,21 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation" -ra
 
 # Whole-process checks (pytest sessions in subprocesses: kills, Ctrl-C, start methods,
 # torchrun launches, adopted suites) and the failure matrix: minutes. CI runs it after test.
 test-slow: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation" -ra
 
 # The failure matrix at 2, 4 and 8 ranks (slow: minutes); also selected by -m slow.
 test-faults: $(STAMP)
 	$(PY) -m pytest -m slow tests/harness/test_fault_matrix.py -ra -v
+
+# Pairs of tests on the same warm ranks: the first leaves process state behind, the second
+# must not see it (a minute). CI runs it after test-slow.
+test-isolation: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all

@@ -3,9 +3,10 @@
 Runs inside ranks only (imports torch). The worker takes a :class:`Baseline` once it is set
 up and restores it after every test: the standard streams and file descriptors 0-2 (a test
 may close or replace them; a later socket would then take fd 1 and a print would write into
-it), signal handlers and pending alarms (interval timers), torch's default dtype, device and
-thread count, its print options, anomaly detection, matmul precision and cuDNN flags, and
-the CUDA device. The
+it), signal handlers, blocked signals and pending alarms (interval timers), the recursion
+limit, umask, trace and profile functions and logging.disable's level, torch's default
+dtype, device and thread count, its print options, anomaly detection, matmul precision,
+cuDNN flags, warn-always, flush-denormal and global module hooks, and the CUDA device. The
 working directory, ``sys.path`` and the environment are set afresh from each run's task.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed
+from torch.nn.modules import module as nn_module
 
 STANDARD_FDS = (0, 1, 2)
 # The C function signal.getsignal wraps, without its enum lookup per signal (~1 us each).
@@ -43,6 +46,61 @@ class Baseline:
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
     debug_level: Any  # torch.distributed's: DETAIL on one rank would wrap its next groups only
     torch_modes: tuple[Any, ...]  # the process-wide settings of _torch_modes
+    process: tuple[Any, ...]  # the interpreter's and the process's settings of _process
+    module_hooks: dict[str, Any]  # torch.nn's global module hooks, by registry
+
+
+def _process() -> tuple[Any, ...]:
+    """What a test may set for the whole process, a new one would not have: the recursion
+    limit, the umask, trace and profile functions, the blocked signals, torch's
+    warn-always flag and logging.disable's level."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return (
+        sys.getrecursionlimit(),
+        mask,
+        sys.gettrace(),
+        sys.getprofile(),
+        frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        torch.is_warn_always_enabled(),
+        logging.root.manager.disable,
+    )
+
+
+def _restore_process(saved: tuple[Any, ...]) -> None:
+    if _process() == saved:
+        return
+    limit, mask, trace, profile, blocked, warn_always, disabled = saved
+    sys.setrecursionlimit(limit)
+    os.umask(mask)
+    sys.settrace(trace)
+    sys.setprofile(profile)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    torch.set_warn_always(warn_always)
+    logging.disable(disabled)
+
+
+# torch.nn's registries of hooks every module runs (register_module_forward_hook, ...).
+_MODULE_HOOKS = tuple(name for name in vars(nn_module) if name.startswith("_global_"))
+
+
+def _module_hooks() -> dict[str, Any]:
+    """Each registry's hooks (a copy), and its flags as they are (whether the backward hooks
+    are full ones)."""
+    found = {name: getattr(nn_module, name) for name in _MODULE_HOOKS}
+    return {name: dict(v) if isinstance(v, dict) else v for name, v in found.items()}
+
+
+def _restore_module_hooks(saved: dict[str, Any]) -> None:
+    for name, hooks in saved.items():
+        registry = getattr(nn_module, name)
+        if registry == hooks:
+            continue
+        if isinstance(registry, dict):
+            registry.clear()
+            registry.update(hooks)
+        else:
+            setattr(nn_module, name, hooks)
 
 
 def _torch_modes() -> tuple[Any, ...]:
@@ -137,6 +195,8 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         deterministic=_deterministic(),
         debug_level=_distributed.get_debug_level(),
         torch_modes=_torch_modes(),
+        process=_process(),
+        module_hooks=_module_hooks(),
     )
 
 
@@ -167,6 +227,9 @@ def restore_baseline(base: Baseline, cuda_device: int | None) -> None:
     if _distributed.get_debug_level() != base.debug_level:
         _distributed.set_debug_level(base.debug_level)
     _restore_torch_modes(base.torch_modes)
+    _restore_process(base.process)
+    _restore_module_hooks(base.module_hooks)
+    torch.set_flush_denormal(False)  # torch's default; it has no getter to compare with
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
     for timer in _TIMERS:  # an alarm the test set would go off in a later test

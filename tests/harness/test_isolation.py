@@ -1,0 +1,108 @@
+"""One test can never poison the next on warm ranks: pairs run in one session, on the same
+warm ranks and kept group; the first test leaves something behind and passes, the second is
+innocent and must pass as it would on fresh ranks (``make test-isolation``).
+
+Each pair here is process state the rank now puts back after every test (found by an
+adversarial pass: each was carried into the next test before).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PAIRS = """
+import logging, os, signal, sys
+import pytest, torch, torch.distributed as dist
+
+_LIMIT = sys.getrecursionlimit()
+_UMASK = os.umask(0o022); os.umask(_UMASK)
+
+
+@pytest.mark.ranks
+def test_leaves_a_recursion_limit(rank):
+    sys.setrecursionlimit(_LIMIT + 1234)
+
+@pytest.mark.ranks
+def test_recursion_limit_is_back(rank):
+    assert sys.getrecursionlimit() == _LIMIT
+
+
+@pytest.mark.ranks
+def test_leaves_a_umask(rank):
+    os.umask(0o077)
+
+@pytest.mark.ranks
+def test_umask_is_back(rank):
+    now = os.umask(_UMASK); os.umask(now)
+    assert now == _UMASK
+
+
+@pytest.mark.ranks
+def test_leaves_a_trace_and_a_profile_function(rank):
+    sys.settrace(lambda *a: None); sys.setprofile(lambda *a: None)
+
+@pytest.mark.ranks
+def test_trace_and_profile_are_off(rank):
+    assert sys.gettrace() is None and sys.getprofile() is None
+
+
+@pytest.mark.ranks
+def test_leaves_warn_always(rank):
+    torch.set_warn_always(True)
+
+@pytest.mark.ranks
+def test_warn_always_is_off(rank):
+    assert not torch.is_warn_always_enabled()
+
+
+@pytest.mark.ranks
+def test_leaves_logging_disabled(rank):
+    logging.disable(logging.CRITICAL)
+
+@pytest.mark.ranks
+def test_logging_is_enabled(rank):
+    assert logging.root.manager.disable == logging.NOTSET
+
+
+@pytest.mark.ranks
+def test_leaves_a_signal_blocked(rank):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+
+@pytest.mark.ranks
+def test_no_signal_is_blocked(rank):
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+
+
+@pytest.mark.ranks
+def test_leaves_flush_denormal_on(rank):
+    torch.set_flush_denormal(True)
+
+@pytest.mark.ranks
+def test_denormals_are_kept(rank):
+    assert torch.tensor([1e-40], dtype=torch.float32).item() != 0.0
+
+
+@pytest.mark.ranks
+def test_leaves_global_module_hooks(rank):
+    from torch.nn.modules import module
+    module.register_module_forward_hook(lambda m, i, o: o * 0)
+    module.register_module_forward_pre_hook(lambda m, i: None)
+    module.register_module_full_backward_hook(lambda m, gi, go: None)
+
+@pytest.mark.ranks
+def test_no_global_module_hooks(rank):
+    assert torch.nn.Linear(1, 1, bias=False).requires_grad_(False)(torch.ones(1)).item() != 0
+    from torch.nn.modules import module
+    assert not module._global_forward_hooks and not module._global_forward_pre_hooks
+    assert not module._global_backward_hooks
+"""
+
+
+@pytest.mark.isolation
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_one_test_leaves_is_gone_for_the_next(
+    pytester: pytest.Pytester, world_size: int
+) -> None:
+    pytester.makepyfile(test_pairs=PAIRS)
+    result = pytester.runpytest_subprocess("-p", "harness", "--ranks", str(world_size), "-q")
+    result.assert_outcomes(passed=PAIRS.count("\ndef test_"))
