@@ -203,8 +203,11 @@ LIVE_POLL_S = 0.1
 # on the check (worker.RELEASE_BOUND_S, then garbage collection), and some.
 SETTLE_S = 5.0
 # A rank that returned keeps its group only if every peer returns within this long too (or
-# none failed); otherwise it drops it, so peers blocked on it fail at once.
-KEEP_WAIT_S = 0.25
+# none failed); otherwise it drops it, so peers blocked on it fail then, not at the test's
+# timeout. A margin for a peer that is merely slow (a busy machine: at 0.25 s a loaded
+# 2-core runner failed a passing test), not a verdict of its own; an event in its place is
+# issue 33's.
+KEEP_WAIT_S = 3.0
 
 
 class LiveOutput:

@@ -196,15 +196,15 @@ SECRET_VARIABLE = "HARNESS_SECRET"
 def _secret(config: pytest.Config) -> bytes | None:
     """The launch's secret: HARNESS_SECRET, else the file --rank-secret-file names (which no
     one else may read: a secret in a world-readable file is none)."""
-    given = os.environ.get(SECRET_VARIABLE)
+    given = os.environ.pop(SECRET_VARIABLE, None)  # read once: no test or child sees it
     if given:
-        return given.encode()
+        return _long_enough(given.encode(), SECRET_VARIABLE)
     path = _from_option(config, "rank_secret_file", None, lambda value, _: str(value))
     if path is None:
         return None
     try:
-        mode = os.stat(path).st_mode
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode  # the file read, not one swapped in after
             secret = f.read().strip()
     except OSError as exc:
         raise SpecError(f"harness: --rank-secret-file {path}: {exc}") from None
@@ -213,8 +213,18 @@ def _secret(config: pytest.Config) -> bytes | None:
             f"harness: --rank-secret-file {path} can be read by others (mode "
             f"{mode & 0o777:o}); make it yours alone: chmod 600 {path}"
         )
-    if not secret:
-        raise SpecError(f"harness: --rank-secret-file {path} is empty")
+    return _long_enough(secret, f"--rank-secret-file {path}")
+
+
+_SECRET_MIN_BYTES = 16
+
+
+def _long_enough(secret: bytes, where: str) -> bytes:
+    if len(secret) < _SECRET_MIN_BYTES:
+        raise SpecError(
+            f"harness: the secret in {where} has {len(secret)} bytes; give at least "
+            f"{_SECRET_MIN_BYTES} (python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
     return secret
 
 

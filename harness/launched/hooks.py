@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Generator
@@ -171,7 +173,35 @@ class LaunchedRanks:
         found = launched.get(key, timeout_s)
         if found is None:
             pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
-        return Path(found.decode(errors="replace"))
+        path = Path(found.decode(errors="replace"))
+        why = untrusted_directory(path)
+        if why is not None:
+            pytest.fail(
+                f"harness: the shared_tmp_path read from torchrun's store ({path}) {why}: it "
+                f"was not used (another process writes to this job's store; give the job a "
+                f"secret, see docs/security.md)",
+                pytrace=False,
+            )
+        return path
+
+
+def untrusted_directory(path: Path) -> str | None:
+    """Why `path` is not a directory of this user's own that no one else may write or read
+    (None: it is one). On another node than rank 0's it may not exist: then it is taken as
+    named, as a shared filesystem may show it later."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be looked at ({exc})"
+    if not stat.S_ISDIR(found.st_mode):
+        return "is not a directory"
+    if found.st_uid != os.getuid():
+        return "belongs to another user"
+    if found.st_mode & 0o077:
+        return f"can be used by others (mode {found.st_mode & 0o777:o})"
+    return None
 
 
 def set_up(

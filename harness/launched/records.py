@@ -44,6 +44,17 @@ def encode_outcome(outcome: RankOutcome) -> str:
 def decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     """The outcome in `blob`, read under `key` for `rank`; RecordError for anything else."""
     try:
+        return _decode_outcome(blob, key, rank)
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        if isinstance(exc, RecordError):
+            raise
+        raise RecordError(f"malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
+    if len(blob) > _MAX_RECORD_BYTES:
+        raise RecordError(f"{len(blob)} bytes, more than a record may hold")
+    try:
         record = json.loads(blob)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecordError(f"not JSON ({exc})") from None
@@ -92,11 +103,17 @@ def _value_from(value: Any) -> Any:
     if not isinstance(value, dict) or len(value) != 1:
         raise RecordError("its value is malformed")
     if isinstance(value.get("json"), str):
-        return json.loads(value["json"])
+        try:
+            return json.loads(value["json"])
+        except (ValueError, RecursionError):
+            raise RecordError("its value is not JSON") from None
     if isinstance(value.get("torch"), str):
         import torch
 
-        data = base64.b64decode(value["torch"], validate=True)
+        try:
+            data = base64.b64decode(value["torch"], validate=True)
+        except ValueError:
+            raise RecordError("its value is not base64") from None
         try:
             return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as exc:
@@ -207,19 +224,28 @@ def _warning(value: Any) -> RankWarning:
 
 
 def read_json(blob: bytes, key: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
-    """The JSON object under `key` with each of `fields` of its type; RecordError otherwise
-    (saying which key held what), so a forged or damaged value is named, never believed."""
+    """The JSON object under `key` with each of `fields` present and of its type (a list's
+    items strings, where strings are what it holds); RecordError otherwise (saying which key
+    held what), so a forged or damaged value is named, never believed."""
     try:
         record = json.loads(blob)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise RecordError(f"the value under {key!r} is not JSON") from None
     if not isinstance(record, dict):
         raise RecordError(f"the value under {key!r} is not a JSON object")
     for name, kind in fields.items():
         value = record.get(name)
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+        wrong = name not in record or not isinstance(value, kind)
+        if wrong or (isinstance(value, bool) and bool not in _kinds(kind)):
             raise RecordError(f"the value under {key!r} has no {name!r} of the harness's")
+        if name in _STRING_LISTS and not all(isinstance(item, str) for item in record[name]):
+            raise RecordError(f"the value under {key!r} has a {name!r} not of strings")
     return record
+
+
+# Fields read with read_json that hold lists of strings.
+_STRING_LISTS = {"tests", "errors"}
+_MAX_RECORD_BYTES = 64 * 1024 * 1024  # an outcome with its output tails and a value
 
 
 def read_int(blob: bytes | None, key: str, default: int) -> int:

@@ -247,7 +247,8 @@ def _beat_fields(beat: bytes | None) -> tuple[str, str, str]:
 def _pid_here(place: str) -> int | None:
     """The pid of a process at `place`, if it is on this machine and in this pid namespace."""
     where, _, pid = place.rpartition("/")
-    return int(pid) if where == _HERE and pid.isdigit() else None
+    fits = pid.isascii() and pid.isdigit() and len(pid) < 10
+    return int(pid) if where == _HERE and fits else None
 
 
 def _main_thread_in_torch_distributed() -> bool:

@@ -476,7 +476,7 @@ def _init_group(task: RunTask, store: Any) -> None:
     kwargs: dict[str, Any] = {}
     if spec.backend == "nccl":
         kwargs["device_id"] = torch.device(task.device)
-    with _gloo_on_loopback(spec.backend):
+    with _on_loopback(spec.backend):
         dist.init_process_group(
             spec.backend,
             store=store,
@@ -491,12 +491,13 @@ def _init_group(task: RunTask, store: Any) -> None:
 
 
 @contextlib.contextmanager
-def _gloo_on_loopback(backend: str) -> Iterator[None]:
-    """gloo listens where the host name resolves unless told an interface: the harness's own
-    groups (every rank on this machine) listen on the loopback interface, out of reach of
-    other hosts. A GLOO_SOCKET_IFNAME the test's environment sets is left as it is."""
-    name = "GLOO_SOCKET_IFNAME"
-    if "gloo" not in backend or name in os.environ:
+def _on_loopback(backend: str) -> Iterator[None]:
+    """gloo listens where the host name resolves, and NCCL's bootstrap on its default
+    interface, unless told one: the harness's own groups (every rank on this machine) listen
+    on the loopback interface, out of reach of other hosts. A GLOO_SOCKET_IFNAME or
+    NCCL_SOCKET_IFNAME the test's environment sets is left as it is."""
+    name = "GLOO_SOCKET_IFNAME" if "gloo" in backend else "NCCL_SOCKET_IFNAME"
+    if name in os.environ:
         yield
         return
     os.environ[name] = _LOOPBACK_INTERFACE

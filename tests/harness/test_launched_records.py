@@ -109,3 +109,52 @@ def test_a_forged_torch_value_must_load_with_weights_only(tmp_path: Path) -> Non
     with pytest.raises(records.RecordError, match="does not load with weights_only"):
         records.decode_outcome(json.dumps(record).encode(), "t3", 1)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"json": "{not json"}, {"torch": "not base64!"}, {"json": "[" * 100000 + "]" * 100000}],
+    ids=["json", "base64", "deep"],
+)
+def test_a_malformed_value_is_a_record_error_not_a_crash(value: dict[str, str]) -> None:
+    record = json.loads(records.encode_outcome(_full_outcome(None)))
+    record["value"] = value
+    with pytest.raises(records.RecordError):
+        records.decode_outcome(json.dumps(record).encode(), "t3", 1)
+
+
+def test_a_deeply_nested_record_is_a_record_error() -> None:
+    with pytest.raises(records.RecordError):
+        records.decode_outcome(b"[" * 100000 + b"]" * 100000, "t3", 1)
+    with pytest.raises(records.RecordError):
+        records.read_json(b"[" * 100000 + b"]" * 100000, "exit/1", {"text": str})
+
+
+def test_read_json_wants_every_field_and_strings_where_strings_are_kept() -> None:
+    with pytest.raises(records.RecordError, match="no 'xfail'"):
+        records.read_json(b'{"outcome": "passed"}', "t1/plain/1", {"xfail": (str, type(None))})
+    with pytest.raises(records.RecordError, match="not of strings"):
+        records.read_json(
+            b'{"tests": [1], "errors": []}', "collected/1", {"tests": list, "errors": list}
+        )
+
+
+def test_a_shared_tmp_path_from_the_store_must_be_this_users_private_directory(
+    tmp_path: Path,
+) -> None:
+    from harness.launched.hooks import untrusted_directory
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert untrusted_directory(private) is None
+    assert untrusted_directory(tmp_path / "not-yet-there") is None  # another node's, maybe
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    assert "can be used by others" in (untrusted_directory(open_to_all) or "")
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    assert untrusted_directory(link) == "is not a directory"
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert untrusted_directory(file) == "is not a directory"

@@ -1408,7 +1408,7 @@ def test_with_a_secret_values_written_under_the_harness_keys_change_no_verdict(
 @pytest.mark.slow
 def test_a_secret_file_others_can_read_is_refused(pytester: pytest.Pytester) -> None:
     secret = pytester.path / "secret"
-    secret.write_text("s3cret")
+    secret.write_text("a-secret-of-thirty-two-characters")
     secret.chmod(0o644)
     directory = write(pytester, test_ok="def test_ok():\n    pass\n")
     result = torchrun(directory, 2, f"--rank-secret-file={secret}")
@@ -1416,3 +1416,5 @@ def test_a_secret_file_others_can_read_is_refused(pytester: pytest.Pytester) -> 
     assert f"chmod 600 {secret}" in result.output, result.output
     secret.chmod(0o600)
     assert torchrun(directory, 2, f"--rank-secret-file={secret}").returncode == 0
+    short = torchrun(directory, 2, extra_env={"HARNESS_SECRET": "short"})
+    assert short.returncode != 0 and "has 5 bytes; give at least 16" in short.output
