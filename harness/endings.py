@@ -41,9 +41,11 @@ def ended_by(
 ) -> RankOutcome:
     """The outcome of a body that raised `exc` (an error, sys.exit, pytest.skip or xfail)."""
     if isinstance(exc, SystemExit):
+        said = ""
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
-        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc))
+            said = text_of(exc.code)
+        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said)
         outcome.traceback = user_traceback(exc, show_locals)  # where it was called
     elif (ending := _pytest_outcome(exc)) is not None:
         message = text_of(getattr(exc, "msg", exc))

@@ -197,8 +197,12 @@ class RankOutcome:
         if self.ending is Ending.RAISED:
             first = self.message.strip().splitlines()[0] if self.message.strip() else ""
             return f"raised {self.exc_name}: {first}" if first else f"raised {self.exc_name}"
-        if self.ending is Ending.EXITED:
-            return f"called sys.exit({self.exit_code})"
+        if self.ending is Ending.EXITED:  # sys.exit("text") exits 1, having printed the text
+            return (
+                f"called sys.exit({self.message!r})"
+                if self.message
+                else (f"called sys.exit({self.exit_code})")
+            )
         if self.ending is Ending.SKIPPED:
             return f"skipped: {self.message}"
         if self.ending is Ending.XFAILED:

@@ -281,7 +281,8 @@ def _serve(task: RunTask) -> RankOutcome:
     outcome, test_env = _run_task(task)
     try:
         environment.restore(saved_env if test_env is None else test_env)
-        _restore(cuda_device)
+        _restore(cuda_device)  # the default device's mode (set_default_device) included
+        _note_modes_left(outcome, _MODES_AT_START)
     except Exception as exc:
         outcome.leftovers[hygiene.UNDONE] = (
             f"changed its process in a way the harness could not undo "
@@ -289,6 +290,39 @@ def _serve(task: RunTask) -> RankOutcome:
         )
         outcome.kept_group = None
     return outcome
+
+
+def _function_modes() -> int:
+    """How many torch function modes are entered (`with torch.device(...)` is one)."""
+    return int(torch._C._len_torch_function_stack())
+
+
+_MODES_AT_START = _function_modes()  # as the rank came up: none, normally
+
+
+def _note_modes_left(outcome: RankOutcome, before: int) -> None:
+    """A torch function mode the test left entered would act in every later test (one that
+    forced torch.allclose to True made a failing test pass): it is the test's hygiene
+    error, and the rank is replaced (popping the mode here made ranks hang)."""
+    left = _function_modes() - before
+    if left <= 0:
+        return
+    names = _mode_names(left)
+    outcome.leftovers[hygiene.UNDONE] = (
+        f"left a torch function mode entered ({names}); exit it (use it in a with block); "
+        f"the ranks are replaced for the next test"
+    )
+    outcome.replace_after = f"left a torch function mode entered ({names})"
+
+
+def _mode_names(count: int) -> str:
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        return ", ".join(type(mode).__name__ for mode in stack[-count:])
+    except Exception:  # another torch's internals: the count says enough
+        return f"{count} mode(s)"
 
 
 DAEMONIC_END_WAIT_S = 1.0

@@ -106,3 +106,44 @@ def test_state_one_test_leaves_is_gone_for_the_next(
     pytester.makepyfile(test_pairs=PAIRS)
     result = pytester.runpytest_subprocess("-p", "harness", "--ranks", str(world_size), "-q")
     result.assert_outcomes(passed=PAIRS.count("\ndef test_"))
+
+
+MODE_LEFT_ENTERED = """
+import pytest, torch
+from torch.overrides import TorchFunctionMode
+
+
+class AlwaysClose(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.allclose:
+            return True
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.ranks
+def test_leaves_a_mode_entered(rank):
+    AlwaysClose().__enter__()
+
+
+@pytest.mark.ranks
+def test_innocent_and_failing(rank):
+    assert torch.allclose(torch.ones(1), torch.zeros(1)), "ones are not zeros"
+"""
+
+
+@pytest.mark.isolation
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_torch_function_mode_left_entered_is_reported_and_the_ranks_replaced(
+    pytester: pytest.Pytester, world_size: int
+) -> None:
+    """The mode forced torch.allclose to True: the next test, which must fail, passed (a
+    false green). Popping the mode made ranks hang; the rank is replaced instead."""
+    pytester.makepyfile(test_mode=MODE_LEFT_ENTERED)
+    result = pytester.runpytest_subprocess("-p", "harness", "--ranks", str(world_size), "-rA")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*hygiene: rank 0 left a torch function mode entered (AlwaysClose)*",
+            "*rank ? failed: raised AssertionError: ones are not zeros*",
+        ]
+    )

@@ -762,3 +762,20 @@ def test_a_returned_rank_whose_group_an_fsdp_model_holds_still_releases_its_peer
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 returned while rank 0 waited in all_reduce*"])
     result.stdout.no_fnmatch_line("*still running at the 30 s timeout*")
+
+
+def test_sys_exit_with_text_is_reported_with_its_text(pytester: pytest.Pytester) -> None:
+    """It was reported as "called sys.exit(1)": Python prints the text and exits with 1."""
+    pytester.makepyfile(
+        """
+import sys, pytest
+
+@pytest.mark.ranks(2)
+def test_exits_with_words(rank):
+    if rank == 1:
+        sys.exit("disk full on /scratch")
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 failed: called sys.exit('disk full on /scratch')*"])
