@@ -21,7 +21,7 @@ from rankwise import _transport
 from harness import Ending
 
 R, E, X = Ending.RETURNED, Ending.RAISED, Ending.EXITED
-BOUND_S = 20  # far above the milliseconds these take; a waiting rank would come back HUNG
+BOUND_S = 120  # a safety net far above the milliseconds these take: a waiting rank comes back HUNG
 
 
 class Opaque:
