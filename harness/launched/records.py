@@ -2,19 +2,22 @@
 
 torchrun's store is reachable by anything that reaches its port, and its keys are predictable:
 what a rank reads from it is data, checked field by field on arrival, so the worst a forged
-value can do is a wrong verdict, which the report names. A test's return value travels as
-JSON when JSON gives it back exactly, else as ``torch.save`` bytes that load with
-``weights_only=True`` (tensors, tuples, ...); anything else is reported as not sent back.
+value can do is a wrong verdict, which the report names. A test's return value travels in
+rankwise's wire format (JSON when JSON gives it back exactly, else ``torch.save`` bytes that
+load with ``weights_only=True``: tensors, tuples, ...); anything else is reported as not sent
+back.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
-import io
 import json
 import pickle
 from typing import Any
+
+from rankwise import _wire
 
 from harness.outcome import Ending, RankOutcome, RankWarning
 
@@ -45,9 +48,9 @@ def decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     """The outcome in `blob`, read under `key` for `rank`; RecordError for anything else."""
     try:
         return _decode_outcome(blob, key, rank)
+    except RecordError:
+        raise
     except (ValueError, TypeError, RecursionError, OverflowError) as exc:
-        if isinstance(exc, RecordError):
-            raise
         raise RecordError(f"malformed ({type(exc).__name__}: {exc})") from None
 
 
@@ -78,58 +81,33 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
 
 
 def _value_record(value: Any) -> tuple[dict[str, str] | None, str]:
-    """How a return value travels: ({"json": text} or {"torch": base64}, "") or (None, why)."""
+    """How a return value travels: ({"wire": base64 of rankwise's wire bytes}, "") or
+    (None, why it cannot)."""
     try:
-        text = json.dumps(value, allow_nan=True)
-        if _same(json.loads(text), value):
-            return {"json": text}, ""
-    except (TypeError, ValueError, RecursionError):
-        pass
-    import torch
-
-    buffer = io.BytesIO()
-    try:
-        torch.save(value, buffer)
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True, map_location="cpu")
-    except Exception as exc:
+        data = _wire.encode(value, "the return value")
+    except _wire.WireError as exc:
         return None, (
             f"between launched ranks a value travels as JSON or as what torch.load("
-            f"weights_only=True) loads, never pickled ({type(exc).__name__})"
+            f"weights_only=True) loads, never pickled ({exc})"
         )
-    return {"torch": base64.b64encode(buffer.getvalue()).decode()}, ""
+    return {"wire": base64.b64encode(data).decode()}, ""
 
 
 def _value_from(value: Any) -> Any:
-    if not isinstance(value, dict) or len(value) != 1:
+    if not isinstance(value, dict) or set(value) != {"wire"} or not isinstance(value["wire"], str):
         raise RecordError("its value is malformed")
-    if isinstance(value.get("json"), str):
-        try:
-            return json.loads(value["json"])
-        except (ValueError, RecursionError):
-            raise RecordError("its value is not JSON") from None
-    if isinstance(value.get("torch"), str):
-        import torch
-
-        try:
-            data = base64.b64decode(value["torch"], validate=True)
-        except ValueError:
-            raise RecordError("its value is not base64") from None
-        try:
-            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise RecordError(f"its value does not load with weights_only ({exc})") from None
-    raise RecordError("its value is neither JSON nor torch.save bytes")
-
-
-def _same(got: Any, value: Any) -> bool:
-    """Whether JSON gave back `value` exactly, types included (a tuple comes back a list)."""
-    if type(got) is not type(value):
-        return False
-    if isinstance(value, list):
-        return len(got) == len(value) and all(map(_same, got, value))
-    if isinstance(value, dict):
-        return got.keys() == value.keys() and all(_same(got[k], value[k]) for k in value)
-    return bool(got == value) or got != got  # NaN is itself
+    try:
+        data = base64.b64decode(value["wire"], validate=True)
+    except binascii.Error:
+        raise RecordError("its value is not base64") from None
+    try:
+        return _wire.decode(data)
+    except (ValueError, RecursionError):  # the JSON form
+        raise RecordError("its value is not JSON") from None
+    except Exception as exc:
+        raise RecordError(
+            f"its value does not load with weights_only ({_wire.refusal(exc)})"
+        ) from None
 
 
 # The type each field must have on arrival (tuples arrive as JSON lists).

@@ -3,6 +3,7 @@ unpickled (a value there ran code as the test's user: anything reaching the stor
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_a_forged_torch_value_must_load_with_weights_only(tmp_path: Path) -> Non
     buffer = io.BytesIO()
     torch.save({"x": _Payload(marker)}, buffer)
     record = json.loads(records.encode_outcome(_full_outcome(None)))
-    record["value"] = {"torch": base64.b64encode(buffer.getvalue()).decode()}
+    record["value"] = {"wire": base64.b64encode(buffer.getvalue()).decode()}
     with pytest.raises(records.RecordError, match="does not load with weights_only"):
         records.decode_outcome(json.dumps(record).encode(), "t3", 1)
     assert not marker.exists()
@@ -113,7 +114,11 @@ def test_a_forged_torch_value_must_load_with_weights_only(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     "value",
-    [{"json": "{not json"}, {"torch": "not base64!"}, {"json": "[" * 100000 + "]" * 100000}],
+    [
+        {"wire": base64.b64encode(b"J{not json").decode()},
+        {"wire": "not base64!"},
+        {"wire": base64.b64encode(b"J" + b"[" * 100000 + b"]" * 100000).decode()},
+    ],
     ids=["json", "base64", "deep"],
 )
 def test_a_malformed_value_is_a_record_error_not_a_crash(value: dict[str, str]) -> None:
