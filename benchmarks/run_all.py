@@ -12,6 +12,7 @@ from benchmarks import (
     compute,
     harness_overhead,
     plots,
+    private_store,
     signing,
     suite,
     wire,
@@ -59,6 +60,8 @@ def main() -> int:
     _write(lines)
     print("measuring the cost of signing the store keys...", flush=True)
     lines += signing.main()
+    print("measuring the ranks' private store against a TCPStore...", flush=True)
+    lines += ["", "## The ranks' private store", "", *private_store.main()]
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
     _write(lines)
     print("\n".join(lines))

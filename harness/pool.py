@@ -620,13 +620,12 @@ def _socket_dir_short_enough() -> None:
 
 
 class Pools:
-    """Every pool of this pytest process, and the store their groups meet through."""
+    """Every pool of this pytest process, and the private store their groups meet through."""
 
     def __init__(self) -> None:
         self._pools: dict[PoolKey, Pool] = {}
         # Per pool, the group every rank kept after the last run, and that run's timeout.
         self._kept: dict[PoolKey, tuple[str, float]] = {}
-        self._store: Any = None
         self._serial = itertools.count(1)
         self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
         self.started_pids: set[int] = set()
@@ -637,10 +636,10 @@ class Pools:
         self.secret = signing.new_secret()  # for the keys the ranks write in the store
 
     @property
-    def store(self) -> Any:
-        if self._store is None:
-            self._store = loopback.store()
-        return self._store
+    def store_path(self) -> str:
+        """Where the ranks' store lies: a file below the private work directory, which no
+        other user can reach (see rank/private_store.py)."""
+        return str(self._workdir / "store")
 
     def get(self, key: PoolKey) -> Pool:
         pool = self._pools.get(key)
@@ -739,8 +738,7 @@ class Pools:
             spec=spec,
             target=request.target,
             args_blob=request.args_blob,
-            store_host="127.0.0.1",
-            store_port=self.store.port,
+            store_path=self.store_path,
             store_prefix=f"run{serial}/",
             secret=self.secret,
             launch_port=launch_store.port if launch_store is not None else None,
@@ -764,7 +762,6 @@ class Pools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-        self._store = None
         shutil.rmtree(self._workdir, ignore_errors=True)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(reaper.alive(p) for p in self.started_pids):

@@ -170,8 +170,7 @@ _FAULTS = "_faults_blob"  # where a rank's task holds the spec's faults, still p
 _STABLE_FIELDS = (
     "spec",
     "target",
-    "store_host",
-    "store_port",
+    "store_path",
     "keep_group",
     "sys_path",
     "cwd",
@@ -211,8 +210,7 @@ class RunTask:
     spec: RankSpec
     target: Target
     args_blob: bytes  # encode_args((args, kwargs)), loaded after the target's module
-    store_host: str
-    store_port: int
+    store_path: str  # the session's private store (a file in its 0700 work directory)
     store_prefix: str
     launch_port: int | None = None  # launch mode: torchrun's env, rendezvous on this store
     attempt: int = 0  # launch mode: torchrun's restart count, distinct per run

@@ -190,14 +190,27 @@ class LaunchedSession:
     # ---- agreements ----------------------------------------------------------------------
 
     def agree_on_backend(self) -> None:
-        """Every rank must use the same backend (GPUs may differ between nodes)."""
-        found = self.gather("backend", self.backend, AGREE_S)
-        if len(set(found)) > 1:
-            each = ", ".join(f"rank {r}: {_text(b)}" for r, b in enumerate(found))
+        """Every rank must use the same backend (GPUs may differ between nodes). Each rank
+        also gives a random word; the session goes on under a prefix made from them all."""
+        assert self.peers is not None
+        found = self.gather("backend", f"{self.backend} {self.peers.nonce}", AGREE_S)
+        backends = [_text(b).split(" ")[0] if b is not None else None for b in found]
+        if len(set(backends)) > 1:
+            each = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
             end_session(
                 self,
                 f"harness: the launched ranks would use different backends ({each}); give "
                 f"every rank the same --rank-backend",
+            )
+        self.peers.freshen([(b or b"").rpartition(b" ")[2] for b in found])
+        self.put(f"pid/{self.rank}", str(os.getpid()))  # under the fresh prefix too
+        if not all(self.gather("fresh", "1", AGREE_S)):
+            why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(self.absent.items()))
+            end_session(
+                self,
+                f"harness: not every rank joined the session's own prefix ({why}); unless "
+                f"those ranks ended, they were shown another rank's word replaced by a process "
+                f"that reaches torchrun's store (see docs/security.md)",
             )
 
     def agree_on_collection(self, items: Sequence[pytest.Item]) -> None:

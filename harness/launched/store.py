@@ -9,7 +9,9 @@ bound, and a few seconds at most once the launcher is stopping the job.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -52,7 +54,9 @@ class Peers:
         run = signing.key(secret, f"harness/{launch.run_key}")
         arrival = base.add(f"{run}/arrivals", 1) - 1
         self.prefix = f"{run}/{arrival // launch.world_size}"
+        self._base = base
         self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
+        self.nonce = secrets.token_hex(16)  # this rank's part of the job's own prefix
         self.refused: list[str] = []  # keys whose value failed the signature check
         self.rank, self.world_size = launch.rank, launch.world_size
         self.stopping = False  # set when the launcher's SIGTERM came
@@ -63,6 +67,17 @@ class Peers:
         # A peer on another machine, silent this long, is gone (or hung, which the test's
         # bound would end anyway): the longest a test may take, at least SILENT_AFTER_S.
         self.silent_elsewhere_s = SILENT_AFTER_S
+
+    def freshen(self, nonces: list[bytes]) -> None:
+        """Go on under a prefix made from every rank's random word (`nonces`, in rank order,
+        this rank's own as it made it): a value recorded from an earlier job with the same
+        run id and secret is never read in this one, and ranks that were shown different
+        words (a replayed one) do not see each other's keys at all."""
+        words = [n.decode(errors="replace") for n in nonces]
+        words[self.rank] = self.nonce
+        job = hashlib.sha256(" ".join(words).encode()).hexdigest()[:32]
+        self.prefix = f"{self.prefix}/{job}"
+        self.store = dist.PrefixStore(self.prefix, self._base)  # type: ignore[attr-defined]
 
     def put(self, key: str, value: bytes | str) -> None:
         self.store.set(self._name(key), signing.sign(self.secret, self._where(key), value))

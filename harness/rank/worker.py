@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import endings, environment, hygiene, rank_warnings, reaper, signing
+from harness import endings, environment, hygiene, loopback, rank_warnings, reaper, signing
 from harness.faults import Fault, Injector, rankwise_points
 from harness.launch_detect import IN_RANK_WORKER
 from harness.outcome import Ending, RankOutcome, exit_code
@@ -66,6 +66,7 @@ from harness.protocol import (
 )
 from harness.rank import group_release, kept_group, logs, state, stdin
 from harness.rank.fixtures import RankFixtures
+from harness.rank.private_store import PrivateStore
 from harness.torchrun_env import torchrun_env
 
 endings.skip_frames_of(__file__)
@@ -571,8 +572,8 @@ def _agree_on_set_up(task: RunTask, store: Any, error: str) -> None:
         if status is None:  # not this session's rank: named, never believed
             failed.append(
                 f"rank {r}: harness error: unsigned value for {where[r]} in the store at "
-                f"{task.store_host}:{task.store_port}, ignored (another process writes to "
-                f"the session's store)"
+                f"{task.store_path}, ignored (another process writes to the session's "
+                f"store)"
             )
         elif status:
             failed.append(f"rank {r}: {status.decode(errors='replace')}")
@@ -580,21 +581,14 @@ def _agree_on_set_up(task: RunTask, store: Any, error: str) -> None:
         raise _SetUpFailed("; ".join(failed))
 
 
-_stores: dict[tuple[str, int], Any] = {}
+_stores: dict[str, PrivateStore] = {}
 
 
-def _client_store(task: RunTask) -> Any:
-    """One client connection per store for the worker's life; tests differ by key prefix."""
-    key = (task.store_host, task.store_port)
-    if key not in _stores:
-        _stores[key] = dist.TCPStore(  # type: ignore[attr-defined]
-            task.store_host,
-            task.store_port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=_group_timeout(task.spec),
-        )
-    return _stores[key]
+def _client_store(task: RunTask) -> PrivateStore:
+    """One store object per store for the worker's life; tests differ by key prefix."""
+    if task.store_path not in _stores:
+        _stores[task.store_path] = PrivateStore(task.store_path, _group_timeout(task.spec))
+    return _stores[task.store_path]
 
 
 def _group_timeout(spec: RankSpec) -> timedelta:
@@ -609,7 +603,7 @@ def _launch_env(task: RunTask) -> dict[str, str]:
     return torchrun_env(
         task.spec.world_size,
         task.rank,
-        master_addr=task.store_host,
+        master_addr=loopback.HOST,
         master_port=task.launch_port,
         agent_store=True,
         run_id=task.key,

@@ -69,3 +69,36 @@ def write(port: int, items: dict[str, bytes]) -> None:
         assert done.returncode == 0, done.stderr
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# Opens each path as the other user would: a file for reading and appending, a directory's
+# listing; prints {path: "ok" or the error's type}.
+PROBE = r"""
+import json, os, sys
+found = {}
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path) or path.endswith("/"):
+            os.listdir(path)
+        else:
+            open(path, "ab").close()
+            open(path, "rb").close()
+        found[path] = "ok"
+    except OSError as exc:
+        found[path] = type(exc).__name__
+print(json.dumps(found))
+"""
+
+
+def try_to_reach(paths: list[str]) -> dict[str, str]:
+    """What user nobody gets opening each of `paths` ("ok", or the error's type name)."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    done = subprocess.run(
+        ["runuser", "-u", "nobody", "--", SYSTEM_PYTHON, "-c", PROBE, *paths],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found: dict[str, str] = json.loads(done.stdout)
+    return found

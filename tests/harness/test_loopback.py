@@ -41,13 +41,11 @@ def _master_port_listeners() -> list[str]:
     return _on(int(os.environ["MASTER_PORT"]))
 
 
-def test_the_pools_store_and_a_launch_store_listen_on_loopback_only(
-    run_on_ranks: Any, request: pytest.FixtureRequest
-) -> None:
-    out = run_on_ranks(_master_port_listeners, world_size=2, launch=True)  # a launch's store
+def test_a_launch_store_listens_on_loopback_only(run_on_ranks: Any) -> None:
+    """A launch-mode test's store (torchrun's agent store, as the test's own rendezvous
+    expects it); warm ranks' own store is a private file (test_signing.py)."""
+    out = run_on_ranks(_master_port_listeners, world_size=2, launch=True)
     assert out.values == [[_LOOPBACK_V4]] * 2
-    pools_store = ranks.pools_of(request.config).store
-    assert _on(pools_store.port) == [_LOOPBACK_V4]
 
 
 def _own_socket_inodes() -> set[int]:

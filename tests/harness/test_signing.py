@@ -4,7 +4,10 @@ its text was reported as a rank's set-up failure (the root cause of tests it nev
 
 from __future__ import annotations
 
+import contextlib
+import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,37 +47,79 @@ def _rank() -> int:
 def test_values_another_process_writes_in_the_store_change_no_verdict(
     run_on_ranks: Any, request: pytest.FixtureRequest
 ) -> None:
+    """A process that reaches the store's file (only the session's user can) and writes
+    set-up failures under the keys' names as they would be without the secret: ignored."""
     import torch.distributed as dist
 
     run_on_ranks(_rank, world_size=2)  # the session's store is up
     pools = ranks.pools_of(request.config)
-    other = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", pools.store.port, is_master=False, timeout=timedelta(seconds=30)
-    )
+    other = dist.FileStore(pools.store_path, -1)  # type: ignore[attr-defined]
     serial = next(pools._serial)  # the runs to come, as anyone could count them
     for run in range(serial, serial + 40):
         for r in range(2):
-            other.set(f"run{run}//setup/{r}", "ForgedError: written by another user")
+            other.set(f"run{run}//setup/{r}", "ForgedError: written by another process")
     for _ in range(8):
         out = run_on_ranks(_rank, world_size=2)
         assert out.values == [0, 1], out.report()
 
 
-def test_another_user_cannot_change_a_verdict_through_the_store(
+def test_another_user_can_reach_neither_the_store_nor_the_work_directory(
     run_on_ranks: Any, request: pytest.FixtureRequest
 ) -> None:
-    """As user nobody, through the store's port: the forged set-up failures under the keys
-    as they were named reach no rank (the keys carry a tag of the session's secret)."""
+    """As user nobody: the store's file, and the work directory it lies in, cannot be
+    opened, listed or written; the pytest process listens on no port another user could
+    connect to instead."""
     from tests.harness import other_user
 
     if other_user.skip_reason() is not None:
         pytest.skip(other_user.skip_reason())
     run_on_ranks(_rank, world_size=2)
     pools = ranks.pools_of(request.config)
-    serial = next(pools._serial)
-    forged = b"ForgedError: written by another user"
-    items = {f"run{run}//setup/{r}": forged for run in range(serial, serial + 40) for r in (0, 1)}
-    other_user.write(pools.store.port, items)
+    assert Path(pools.store_path).exists()
+    tries = other_user.try_to_reach([pools.store_path, str(pools._workdir)])
+    assert tries == {pools.store_path: "PermissionError", str(pools._workdir): "PermissionError"}
+    assert _listening_ports_of_this_process() == []
+
+
+def _listening_ports_of_this_process() -> list[int]:
+    """The TCP ports this (the pytest) process listens on, on any address."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
+                    ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_process_that_lists_the_stores_keys_changes_no_verdict(
+    run_on_ranks: Any, request: pytest.FixtureRequest
+) -> None:
+    """A store on a port serves its keys' names to whoever asks (TCPStore's list_keys): a
+    process that read them wrote forged set-up failures under the next runs' names. Warm
+    ranks meet through a store no other process can reach, so there is nothing to list."""
+    import torch.distributed as dist
+
+    run_on_ranks(_rank, world_size=2)  # a set-up went through the session's store
+    forged = 0
+    for port in _listening_ports_of_this_process():
+        other = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)
+        )
+        for key in other.list_keys():
+            run, sep, rest = key.partition("//")
+            if sep and run.startswith("run") and rest.startswith("setup/"):
+                for later in range(int(run[3:]) + 1, int(run[3:]) + 40):
+                    other.set(f"run{later}//{rest}", "ForgedError: written by another process")
+                    forged += 1
     for _ in range(8):
         out = run_on_ranks(_rank, world_size=2)
         assert out.values == [0, 1], out.report()
+    assert forged == 0, "the warm ranks' store was reachable on a port"
