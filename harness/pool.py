@@ -778,13 +778,17 @@ def stop_forkserver() -> None:
 
     Left alone it ends only once this process has exited and it notices, then spends a
     second or so tearing torch down: a process outliving the session. Its ranks are dead by
-    now, so it is killed (a clean stop would cost that second here instead).
+    now, so it is killed (a clean stop would cost that second here instead), after whatever
+    it adopted from ranks that died (their orphaned children).
     """
     server: Any = multiprocessing.forkserver._forkserver
     with server._lock:
         pid = getattr(server, "_forkserver_pid", None)
         if pid is None:
             return
+        # A rank that died left its children to the server (a subreaper): killed with it,
+        # the server would run no step of its own to end them.
+        reaper.kill_tree(pid)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
         _reap(pid, FORKSERVER_STOP_S)

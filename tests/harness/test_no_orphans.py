@@ -203,3 +203,40 @@ def test_a_rank_ends_on_sigterm_and_sighup_as_any_process_does() -> None:
     # the caller's whole tree.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+@pytest.mark.slow
+def test_a_grandchild_of_a_rank_that_died_does_not_outlive_pytest(
+    pytester: pytest.Pytester,
+) -> None:
+    """A rank starts a child in a new session and ends with os._exit: the child passes to
+    the fork server (a subreaper), which the session's end killed with SIGKILL, so its own
+    kill-my-tree step never ran and the child outlived pytest."""
+    pytester.makepyfile(
+        """
+import os, subprocess, sys, pytest
+
+@pytest.mark.ranks(2)
+def test_dies_leaving_a_child(rank):
+    if rank == 1:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+        )
+        with open("child-r1", "w") as f:
+            f.write(str(child.pid))
+        os._exit(3)
+"""
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    pids = _children(pytester.path)
+    try:
+        assert proc.returncode == 1 and len(pids) == 1, proc.stdout + proc.stderr
+        assert_all_gone(pids)
+    finally:
+        kill_quietly(pids)
