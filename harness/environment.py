@@ -8,7 +8,9 @@ no torch.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -101,3 +103,75 @@ def restore(snap: Snapshot, leave: tuple[str, ...] = ()) -> None:
 
 def _name(key: Any) -> str:
     return str(_environ.decodekey(key)) if _HAS_STORE else str(key)
+
+
+def _libc_environ() -> Any:
+    """The C library's own `environ` array (None where it cannot be reached)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    except (OSError, ValueError):
+        return None
+
+
+_native_environ = _libc_environ()
+
+
+def native() -> dict[bytes, bytes]:
+    """The process's environment as the C library holds it: what a child process inherits.
+    os.putenv and native code (a C extension's setenv) change it without os.environ
+    knowing. Empty where it cannot be read."""
+    found: dict[bytes, bytes] = {}
+    if _native_environ is None:
+        return found
+    i = 0
+    while (entry := _native_environ[i]) is not None:
+        name, _, value = entry.partition(b"=")
+        found[name] = value
+        i += 1
+    return found
+
+
+def changed_natively(before: dict[bytes, bytes], skip: tuple[str, ...] = ()) -> list[str]:
+    """The variables whose value in the C library's environment differs from `before`, but
+    not in os.environ's (set or unset by os.putenv/os.unsetenv or native code); names
+    starting with one of `skip` are not counted."""
+    now = native()
+    python_view = _as_bytes()
+    names = []
+    for key in before.keys() | now.keys():
+        value = now.get(key)
+        if value == before.get(key) or python_view.get(key) == value:
+            continue
+        name = key.decode(errors="replace")
+        if not name.startswith(skip):
+            names.append(name)
+    return sorted(names)
+
+
+def restore_native(before: dict[bytes, bytes], skip: tuple[str, ...] = ()) -> None:
+    """Set the C library's environment back to `before` where it differs and os.environ does
+    not say otherwise (names starting with one of `skip` are left as they are)."""
+    now = native()
+    python_view = _as_bytes()
+    for key in before.keys() | now.keys():
+        value = before.get(key)
+        if now.get(key) == value or python_view.get(key) == now.get(key):
+            continue
+        if key.decode(errors="replace").startswith(skip):
+            continue
+        if value is None:
+            os.unsetenv(key)
+        else:
+            os.putenv(key, value)
+
+
+def _as_bytes() -> dict[bytes, bytes]:
+    """os.environ, as bytes (the encoding its store already has on POSIX)."""
+    if _HAS_STORE and all(isinstance(k, bytes) for k in _environ._data):
+        return dict(_environ._data)
+    return {
+        k.encode(errors="surrogateescape"): v.encode(errors="surrogateescape")
+        for k, v in os.environ.items()
+    }

@@ -9,6 +9,7 @@ as a test error naming the rank. A test that means to leave something opts out w
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ LIBRARY_MANAGED = ("TORCHINDUCTOR_", "TRITON_", "KMP_")
 
 @dataclass(frozen=True)
 class Snapshot:
-    threads: frozenset[int]
+    threads: frozenset[int]  # threading's threads, and every thread running Python
     env: dict[str, str]
+    native_env: dict[bytes, bytes]  # the C library's (os.putenv, native code)
 
 
 # A non-daemon thread the body started may take this long to end before it counts as left
@@ -37,7 +39,8 @@ HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never
 
 
 def before_test() -> Snapshot:
-    return Snapshot(frozenset(t.ident or 0 for t in threading.enumerate()), environment.variables())
+    idents = {t.ident or 0 for t in threading.enumerate()} | sys._current_frames().keys()
+    return Snapshot(frozenset(idents), environment.variables(), environment.native())
 
 
 def findings(
@@ -45,10 +48,13 @@ def findings(
     checks: frozenset[str],
     group_left: bool,
     processes: dict[int, str] | None = None,
+    raw_threads: list[str] | None = None,
 ) -> dict[str, str]:
     """Each leftover, by check: a sentence saying what it is and what to do.
 
     `processes` are the ones the test left running (pid -> command line); already killed.
+    `raw_threads` are the functions of the threads the test started with
+    _thread.start_new_thread that still run (or are about to).
     """
     found: dict[str, str] = {}
     if "processes" in checks and processes:
@@ -68,10 +74,13 @@ def findings(
         for thread in started:
             thread.join(max(0.0, deadline - time.monotonic()))
         names = [t.name for t in started if t.is_alive()]
-        if names:
-            found["threads"] = (
-                f"left non-daemon threads running: {', '.join(sorted(names))}; join them"
-            )
+        said = [f"left non-daemon threads running: {', '.join(sorted(names))}; join them"]
+        said = said[:1] if names else []
+        raw = _raw_threads_left(before, raw_threads or [])
+        if raw:
+            said.append(raw)
+        if said:
+            found["threads"] = "; ".join(said)
     if "env" in checks and environment.replaced():
         found["env"] = (
             "replaced os.environ itself (the harness put the real one back); set variables "
@@ -89,7 +98,45 @@ def findings(
                 f"changed environment variables {', '.join(changed)}; restore them, or use "
                 f"the monkeypatch fixture, which undoes itself"
             )
+    natively = environment.changed_natively(before.native_env, LIBRARY_MANAGED)
+    if "env" in checks and natively:
+        earlier = found.get("env", "")
+        found["env"] = (earlier + "; " if earlier else "") + (
+            f"changed environment variables {', '.join(natively)} outside os.environ "
+            f"(os.putenv, or native code): child processes inherit them (the harness put "
+            f"them back); set them in os.environ, or use the monkeypatch fixture"
+        )
     return found
+
+
+def put_back_native_env(before: Snapshot) -> None:
+    """The C library's environment as it was before the test, where os.environ does not
+    say otherwise (that part is restored with os.environ)."""
+    environment.restore_native(before.native_env, LIBRARY_MANAGED)
+
+
+def _raw_threads_left(before: Snapshot, tracked: list[str]) -> str:
+    """Threads running Python that threading does not list and that the test started:
+    `tracked` (started with _thread.start_new_thread, running or about to), and any other
+    seen running Python (started by native code). They cannot be joined, and one blocked in
+    a collective joins the next test's. Each named by the function it runs."""
+    listed = {t.ident for t in threading.enumerate()}
+    places = set(tracked)
+    for ident, frame in sys._current_frames().items():
+        if ident in listed or ident in before.threads:
+            continue
+        while frame.f_back is not None:  # the function the thread was started with
+            frame = frame.f_back
+        code = frame.f_code
+        name = getattr(code, "co_qualname", code.co_name)  # Python 3.11+
+        places.add(f"{name} ({code.co_filename}:{code.co_firstlineno})")
+    if not places:
+        return ""
+    return (
+        f"left a thread running that threading does not list (started with _thread, or by "
+        f"native code): {', '.join(sorted(places))}; end it before the test returns (the "
+        f"ranks are replaced for the next test)"
+    )
 
 
 def daemons_left(before: Snapshot) -> list[str]:

@@ -44,6 +44,7 @@ from harness.protocol import (
     RunTask,
     StartMethod,
     Target,
+    decode_issued,
     decode_where,
 )
 from harness.stacks import dump_stacks
@@ -132,6 +133,12 @@ class _Slot:
         """Both streams, for a rank that could not start."""
         return tail(self.files.stdout) + tail(self.files.stderr)
 
+    def read_issued(self) -> int:
+        """Operations this rank issued on its group in the current test (shared memory)."""
+        with contextlib.suppress(OSError):
+            return decode_issued(self.files.issued.read_bytes())
+        return 0
+
     def read_where(self) -> str:
         with contextlib.suppress(OSError):
             return decode_where(self.files.where.read_bytes())
@@ -202,12 +209,6 @@ LIVE_POLL_S = 0.1
 # How long a rank may take to say it stays after a failure or a dropped group: its own bound
 # on the check (worker.RELEASE_BOUND_S, then garbage collection), and some.
 SETTLE_S = 5.0
-# A rank that returned keeps its group only if every peer returns within this long too (or
-# none failed); otherwise it drops it, so peers blocked on it fail then, not at the test's
-# timeout. A margin for a peer that is merely slow (a busy machine: at 0.25 s a loaded
-# 2-core runner failed a passing test), not a verdict of its own; an event in its place is
-# issue 33's.
-KEEP_WAIT_S = 3.0
 
 
 class LiveOutput:
@@ -474,14 +475,16 @@ class _Run:
         return LIVE_POLL_S if self._live.enabled or kept or cuttable else float("inf")
 
     def _drop_kept_groups_if_peers_lag(self) -> None:
-        """Returned ranks give their kept group up once a peer failed, or is still running
-        KEEP_WAIT_S after the first return: a peer waiting on them in a collective then
-        fails at once, as it would had they torn their group down (and no group is kept)."""
+        """Returned ranks give their kept group up once a peer failed, or once a peer still
+        running has issued more operations on the group in this test than a returned rank
+        did (it waits on a rank that will not answer): that peer then fails at once, as it
+        would had they torn their group down, and no group is kept. A peer that is merely
+        slow (a busy machine) has issued no such operation: it is waited for, up to the
+        test's own bound."""
         kept = [o for o in self.outcomes.values() if o.kept_group]
         if not kept or len(self.outcomes) == len(self.slots):
             return
-        first_return = min(o.at for o in kept)
-        if self.first_failure_at is None and time.monotonic() - first_return < KEEP_WAIT_S:
+        if self.first_failure_at is None and not self._a_peer_waits_on(kept):
             return
         for outcome in kept:
             outcome.kept_group = None
@@ -489,6 +492,12 @@ class _Run:
             with contextlib.suppress(OSError):
                 slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
                 self._to_settle.add(outcome.rank)
+
+    def _a_peer_waits_on(self, returned: list[RankOutcome]) -> bool:
+        """Whether a rank still running has issued an operation no returned rank will match."""
+        done = {o.rank for o in returned}
+        least = min(s.read_issued() for s in self.slots if s.rank in done)
+        return any(s.read_issued() > least for s in self._pending())
 
     def _pending(self) -> list[_Slot]:
         return [s for s in self.slots if s.rank not in self.outcomes]

@@ -304,6 +304,7 @@ class RankFiles:
     stacks: Path  # faulthandler's dump on DUMP_STACKS_SIGNAL
     where: Path  # the where-buffer (WHERE_SIZE bytes, memory-mapped by the rank)
     log: Path  # the log records the rank captured during the run (RankSpec.log_capture)
+    issued: Path  # ISSUED_SIZE bytes, memory-mapped: operations issued on its group this test
 
     @classmethod
     def in_dir(cls, directory: Path, rank: int) -> RankFiles:
@@ -313,6 +314,7 @@ class RankFiles:
             directory / f"rank{rank}.stacks",
             directory / f"rank{rank}.where",
             directory / f"rank{rank}.log",
+            directory / f"rank{rank}.issued",
         )
 
 
@@ -324,6 +326,15 @@ def encode_where(collectives: list[str]) -> bytes:
 
 def decode_where(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+ISSUED_SIZE = 8  # the issued-operations count: one unsigned 64-bit integer, little-endian
+
+
+def decode_issued(raw: bytes) -> int:
+    """The count of operations a rank issued on its group in the current test (0 if the
+    file is not written yet)."""
+    return int.from_bytes(raw[:ISSUED_SIZE].ljust(ISSUED_SIZE, b"\0"), "little")
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,19 @@ def _named(cls: type, root: RankOutcome) -> bool:
     return expectations.class_name(cls) in root.exc_classes
 
 
+def pytest_timeout_of_fixtures(item: pytest.Item) -> float | None:
+    """pytest-timeout's bound for `item`'s set-up and for its teardown (each is timed with
+    the whole of it); None when pytest-timeout is not loaded, off, or times the call only."""
+    timing = item.config.pluginmanager.get_plugin("timeout")
+    settings_of_item = getattr(timing, "_get_item_settings", None)
+    if settings_of_item is None:
+        return None
+    settings = settings_of_item(item)
+    if not settings.timeout or settings.func_only:
+        return None
+    return float(settings.timeout)
+
+
 @contextlib.contextmanager
 def pytest_timeout_paused(item: pytest.Item) -> Iterator[None]:
     """pytest-timeout's timer off while the harness runs the body under its own bound, and

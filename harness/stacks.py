@@ -62,9 +62,9 @@ def trim_stack(text: str) -> str:
 def trim_in_process(text: str, caller: str, quiet: tuple[str, ...]) -> str:
     """A dump taken inside a launched pytest process, trimmed to the test's own frames.
 
-    Frames below `caller`'s file (the harness calling the body; pytest and pluggy beneath it)
-    are dropped, and so are the dumping thread and threads idle in `quiet` files (the
-    harness's own watchers).
+    Frames below `caller`'s file (the harness calling the body; pytest and pluggy beneath it;
+    with no such frame, below the first of pytest's own, as for a fixture) are dropped, and
+    so are the dumping thread and threads idle in `quiet` files (the harness's own watchers).
     """
     kept: list[str] = []
     for section in re.split(r"\n(?=\S)", text.strip()):
@@ -75,14 +75,16 @@ def trim_in_process(text: str, caller: str, quiet: tuple[str, ...]) -> str:
         if files and all(f.endswith(quiet) or "/threading.py" in f for f in files):
             continue
         lines = [header]
+        called = any(f'File "{caller}"' in frame for frame in frames)
         for frame in frames:
-            if f'File "{caller}"' in frame:
+            if f'File "{caller}"' in frame or (not called and _PYTEST_FRAME in frame):
                 break  # the harness's call of the body: what is below is pytest's
             lines += [frame, *_source_of(frame)]
         kept.append("\n".join(lines))
     return "\n\n".join(kept)
 
 
+_PYTEST_FRAME = f"{os.sep}_pytest{os.sep}"
 _FRAME = re.compile(r'  File "(.+)", line (\d+) in ')
 
 

@@ -14,7 +14,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from harness.launch_detect import Launch
 from harness.launched import body, records, terminal
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
-from harness.launched.watch import Watch
+from harness.launched.watch import FixtureTimer, Watch
 from harness.outcome import RankOutcome, ranks_phrase, report_looks_collateral
 from harness.protocol import RankSpec
 from harness.settings import SPEC_KEY, settings_of, timeout_for
@@ -74,7 +74,13 @@ class LaunchedPlugin:
         if launched.stopping:
             launched.stop("the launcher is stopping the job", item.session)
             pytest.skip("not run: the launcher is stopping the job")
-        return (yield)
+        with _fixtures_bounded(launched, item, "set-up"):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        with _fixtures_bounded(self.launched, item, "teardown"):
+            return (yield)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # after plugin.py's own changes to the report
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -107,6 +113,22 @@ class LaunchedPlugin:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         terminal.summary(self.launched, terminalreporter)
+
+
+@contextlib.contextmanager
+def _fixtures_bounded(launched: LaunchedSession, item: pytest.Item, phase: str) -> Iterator[None]:
+    """pytest-timeout's bound on this phase's fixtures, also where its signal cannot act."""
+    bound = runner.pytest_timeout_of_fixtures(item)
+    if bound is None or launched.peers is None:
+        yield
+        return
+    with FixtureTimer(launched.watch, fixtures_key(launched), bound, phase):
+        yield
+
+
+def fixtures_key(launched: LaunchedSession) -> str:
+    """Where a rank's record of a hang in the current test's fixtures goes."""
+    return f"{launched.test_key()}/fixtures"
 
 
 class LaunchedRanks:
@@ -407,9 +429,12 @@ def teardown_verdict(
         launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
         if not report.failed:
             report.outcome = "failed"
-            report.longrepr = f"not every rank finished this test's teardown: {absent}"
+            hung = launched.hang_reports(fixtures_key(launched), sorted(gone))
+            report.longrepr = f"not every rank finished this test's teardown: {absent}{hung}"
         return
     failed = [(r, t["text"]) for r, t in _others(launched, found, key) if t["failed"]]
+    if failed or report.failed:  # a fixture's collective may have broken the group
+        launched.set_own_group_aside()  # the next test sets a fresh one up
     if failed and not report.failed:
         rank, text = failed[0]
         report.outcome = "failed"

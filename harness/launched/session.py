@@ -34,7 +34,7 @@ import torch.distributed as dist
 from harness.launch_detect import Launch
 from harness.launched import records, terminal
 from harness.launched.store import Peers
-from harness.outcome import Ending, RankOutcome
+from harness.outcome import Ending, RankOutcome, failure_text
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
 
@@ -400,6 +400,17 @@ class LaunchedSession:
                     f"guess and a secret (see docs/torchrun.md)"
                 ),
             )
+
+    def hang_reports(self, key: str, ranks: list[int]) -> str:
+        """What the timers of `ranks` recorded under `key` (a hang, with its stacks) before
+        their process ended; empty if none did. Each record is checked as any outcome."""
+        assert self.peers is not None
+        texts = []
+        for rank in ranks:
+            blob = self.peers.read(f"{key}/outcome/{rank}")
+            if blob is not None:
+                texts.append(failure_text([self._outcome(key, rank, blob)]))
+        return "".join(f"\n{text}" for text in texts if text)
 
     def _missing(self, key: str, rank: int) -> RankOutcome:
         assert self.peers is not None

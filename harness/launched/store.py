@@ -110,7 +110,7 @@ class Peers:
     def beat(self) -> None:
         """Say this rank is alive, whether its main thread is inside torch.distributed, and
         where its process runs (a thread calls it every HEARTBEAT_S)."""
-        waiting = "c10d" if _main_thread_in_torch_distributed() else "-"
+        waiting = "c10d" if main_thread_in_torch_distributed() else "-"
         self.put(f"beat/{self.rank}", f"{time.monotonic()} {waiting} {_PROCESS}")
 
     def in_torch_distributed(self, rank: int) -> bool:
@@ -266,7 +266,7 @@ def _pid_here(place: str) -> int | None:
     return int(pid) if where == _HERE and fits else None
 
 
-def _main_thread_in_torch_distributed() -> bool:
+def main_thread_in_torch_distributed() -> bool:
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     while frame is not None:
         if _TORCH_DISTRIBUTED in frame.f_code.co_filename:

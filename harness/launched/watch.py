@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from harness.launched import records, terminal
-from harness.launched.store import HEARTBEAT_S
+from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
 from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
 
@@ -84,6 +84,39 @@ class HangTimer:
             self._watch.hung(self._key, self._timeout_s, " > ".join(self._where.stack))
 
 
+class FixtureTimer:
+    """pytest-timeout's bound for a test's fixtures on a launched rank (set-up or teardown).
+
+    pytest-timeout's SIGALRM handler runs only once the main thread is back in Python: a
+    fixture blocked in a collective would wait for the group's own, far longer, bound. At
+    pytest-timeout's bound, a rank whose main thread is inside torch.distributed reports the
+    hang with its stacks, as a body's hang is reported, and the session ends there (an
+    in-process rank cannot be replaced); anywhere else pytest-timeout acts as it does.
+    """
+
+    def __init__(self, watch: Watch, key: str, timeout_s: float, phase: str) -> None:
+        self._watch, self._key, self._timeout_s, self._phase = watch, key, timeout_s, phase
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="harness-fixture-timer", daemon=True)
+
+    def __enter__(self) -> FixtureTimer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finished.set()
+
+    def _run(self) -> None:
+        if self._finished.wait(self._timeout_s) or not main_thread_in_torch_distributed():
+            return
+        note = (
+            f"still running at pytest-timeout's bound ({self._timeout_s:g} s), in the "
+            f"{self._phase} of its fixtures, blocked in torch.distributed (where "
+            f"pytest-timeout's signal cannot interrupt it)"
+        )
+        self._watch.hung(self._key, self._timeout_s, f"{self._phase} of the fixtures", note)
+
+
 class Watch:
     """One per launched session: the hang and launcher-stop paths, each taken at most once."""
 
@@ -95,11 +128,11 @@ class Watch:
 
     # ---- a hang --------------------------------------------------------------------------
 
-    def hung(self, key: str, timeout_s: float, where: str) -> None:
+    def hung(self, key: str, timeout_s: float, where: str, note: str = "") -> None:
         session = self._session
         outcome = RankOutcome(key, session.rank, os.getpid(), Ending.HUNG, at=time.monotonic())
         outcome.stack, outcome.where = _stacks(), where
-        outcome.notes.append(f"still running at the test's timeout ({timeout_s:g} s)")
+        outcome.notes.append(note or f"still running at the test's timeout ({timeout_s:g} s)")
         session.hung_in.add(key)  # the main thread, if it comes back, keeps this outcome
         session.put(f"{key}/outcome/{session.rank}", records.encode_outcome(outcome))
         if session.rank != 0:

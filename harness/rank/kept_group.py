@@ -14,6 +14,7 @@ on this rank in a collective must fail fast, not at the deadline). Runs inside r
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from harness.outcome import Messages
+from harness.protocol import ISSUED_SIZE
 from harness.rank import group_release
 
 
@@ -48,9 +50,32 @@ class _Group:
     # left unwaited shows only here (an entry stays until its tensor is waited for).
     unwaited_before: int | None = None
     store: Any = None  # the store it was made with; each test on it gets keys of its own below
+    # The test called a backend object's operations itself (pg._get_backend(...).send):
+    # they pass none of the counts above, so the group is not kept.
+    backend_used: bool = False
 
 
 _current: _Group | None = None
+# Operations issued on the harness's group in the current test, shared with the pytest side:
+# a peer still running that has issued more than a rank that returned waits on it (an event,
+# where a guess in seconds once failed slow peers on a busy machine).
+_issued = 0
+_board: mmap.mmap | None = None
+
+
+def share_issued_count(path: str) -> None:
+    """Keep the count of operations issued in the current test in the file at `path`."""
+    global _board
+    with open(path, "w+b") as f:
+        f.truncate(ISSUED_SIZE)
+        _board = mmap.mmap(f.fileno(), ISSUED_SIZE)
+
+
+def _set_issued(count: int) -> None:
+    global _issued
+    _issued = count
+    if _board is not None:
+        _board[:ISSUED_SIZE] = count.to_bytes(ISSUED_SIZE, "little")
 
 
 def made(group_id: str, keepable: bool) -> None:
@@ -59,6 +84,7 @@ def made(group_id: str, keepable: bool) -> None:
     global _current
     forget()
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
+    _set_issued(0)
     _current.unwaited_before = _unwaited_functional()
     _current.store = _world().pg_map[_current.pg][1]
 
@@ -112,6 +138,23 @@ def watch_operations() -> None:
         original = getattr(cls, name, None)
         if original is not None and not getattr(original, "_harness_watches", False):
             setattr(cls, name, _watching(original, _COUNTERS.get(name)))
+    backend: Any = torch._C._distributed_c10d.Backend
+    for name in _OPERATIONS:
+        original = backend.__dict__.get(name)
+        if original is not None and not getattr(original, "_harness_watches", False):
+            setattr(backend, name, _noting_backend_use(original))
+
+
+def _noting_backend_use(original: Any) -> Any:
+    """torch's own calls reach a backend from C++; a call from Python is the test's own."""
+
+    def noted(backend: Any, *args: Any, **kwargs: Any) -> Any:
+        if _current is not None:
+            _current.backend_used = True
+        return original(backend, *args, **kwargs)
+
+    noted._harness_watches = True  # type: ignore[attr-defined]
+    return noted
 
 
 def _watching(original: Any, count: Any) -> Any:
@@ -120,6 +163,7 @@ def _watching(original: Any, count: Any) -> Any:
             return original(group, *args, **kwargs)
         if count is not None:
             count(_current, *args, **kwargs)
+        _set_issued(_issued + 1)
         work = original(group, *args, **kwargs)
         if hasattr(work, "is_completed"):
             _note_unfinished(_current, work)
@@ -173,6 +217,8 @@ def reuse(store_prefix: str) -> None:
     assert _current is not None
     _current.before_test = _groups()
     _current.unwaited_before = _unwaited_functional()
+    _current.backend_used = False
+    _set_issued(0)
     backend, _ = _world().pg_map[_current.pg]
     store = dist.PrefixStore(store_prefix, _current.store)  # type: ignore[attr-defined]
     _world().pg_map[_current.pg] = (backend, store)
@@ -185,6 +231,8 @@ def keep(run_key: str) -> str | None:
     if not dist.is_initialized() or _default() is not _current.pg:
         return None
     if _timeout() != _current.timeout:  # the next test would run with this test's bound
+        return None
+    if _current.backend_used:  # operations no count saw: only a fresh group is safe
         return None
     unfinished = any(not work.is_completed() for work in _current.unfinished)
     _current.unfinished.clear()

@@ -13,6 +13,7 @@ working directory, ``sys.path`` and the environment are set afresh from each run
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import logging
 import os
@@ -232,6 +233,9 @@ def restore_baseline(base: Baseline, cuda_device: int | None) -> None:
     torch.set_flush_denormal(False)  # torch's default; it has no getter to compare with
     if _cuda_in_use():  # None: the test started CUDA, on the default device 0
         torch.cuda.set_device(0 if cuda_device is None else cuda_device)
+    # A dump armed with faulthandler.dump_traceback_later (exit=True ends the process) would
+    # go off in a later test; Python has no way to ask whether one is armed.
+    faulthandler.cancel_dump_traceback_later()
     for timer in _TIMERS:  # an alarm the test set would go off in a later test
         if signal.getitimer(timer) != (0.0, 0.0):
             signal.setitimer(timer, 0)

@@ -64,7 +64,7 @@ from harness.protocol import (
     decode_args,
     encode_where,
 )
-from harness.rank import group_release, kept_group, logs, state, stdin
+from harness.rank import group_release, kept_group, logs, raw_threads, state, stdin
 from harness.rank.fixtures import RankFixtures
 from harness.rank.private_store import PrivateStore
 from harness.torchrun_env import torchrun_env
@@ -89,6 +89,8 @@ def main(conn: Any, files: RankFiles) -> None:
     where = _WhereBoard(str(files.where))
     where.install()
     kept_group.watch_operations()
+    kept_group.share_issued_count(str(files.issued))
+    raw_threads.install()
     group_release.watch_made_groups()
     stdin.install(lambda: _serving_rank)
     global _baseline, _worker_pid
@@ -302,18 +304,54 @@ _MODES_AT_START = _function_modes()  # as the rank came up: none, normally
 
 
 def _note_modes_left(outcome: RankOutcome, before: int) -> None:
-    """A torch function mode the test left entered would act in every later test (one that
-    forced torch.allclose to True made a failing test pass): it is the test's hygiene
-    error, and the rank is replaced (popping the mode here made ranks hang)."""
-    left = _function_modes() - before
-    if left <= 0:
+    """A torch function mode, autocast or a DeviceMesh the test left entered would act in
+    every later test (a mode that forced torch.allclose to True made a failing test pass):
+    it is the test's hygiene error, and the rank is replaced (popping a function mode here
+    made ranks hang)."""
+    left = []
+    modes = _function_modes() - before
+    if modes > 0:
+        left.append(f"a torch function mode entered ({_mode_names(modes)})")
+    devices = _autocast_devices()
+    if devices:
+        left.append(f"autocast entered ({', '.join(devices)})")
+    meshes = _meshes_entered()
+    if meshes:
+        left.append(f"a DeviceMesh entered ({meshes})")
+    if not left:
         return
-    names = _mode_names(left)
-    outcome.leftovers[hygiene.UNDONE] = (
-        f"left a torch function mode entered ({names}); exit it (use it in a with block); "
-        f"the ranks are replaced for the next test"
+    what = "; left ".join(left)
+    earlier = outcome.leftovers.get(hygiene.UNDONE)
+    outcome.leftovers[hygiene.UNDONE] = (earlier + "; " if earlier else "") + (
+        f"left {what}; exit it (use it in a with block); the ranks are replaced for the next test"
     )
-    outcome.replace_after = f"left a torch function mode entered ({names})"
+    outcome.replace_after = f"left {what}"
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+
+
+def _autocast_devices() -> list[str]:
+    """The device types autocast is enabled for (none, as a rank starts)."""
+    if not torch._C._is_any_autocast_enabled():
+        return []
+    found = []
+    for device in _AUTOCAST_DEVICES:
+        with contextlib.suppress(Exception):  # a device type this torch does not know
+            if torch.is_autocast_enabled(device):
+                found.append(device)
+    return found or ["a device"]
+
+
+def _meshes_entered() -> str:
+    """The DeviceMeshes entered as the current mesh and not exited (taken off the stack)."""
+    module = sys.modules.get("torch.distributed.device_mesh")  # not imported: none entered
+    stack = getattr(getattr(module, "_mesh_resources", None), "mesh_stack", None)
+    if not stack:
+        return ""
+    names = ", ".join(repr(mesh) for mesh in stack)
+    stack.clear()
+    return names
 
 
 def _mode_names(count: int) -> str:
@@ -351,6 +389,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
         before = hygiene.before_test()
+        raw_before = raw_threads.running().keys()
         _xfail_as_pytest_has_it(task.spec.runxfail)
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
@@ -366,7 +405,9 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
             _end_daemonic_children()
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
-        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left)
+        raw = [f for serial, f in raw_threads.running().items() if serial not in raw_before]
+        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left, raw)
+        hygiene.put_back_native_env(before)
         daemons = hygiene.daemons_left(before) if "threads" in task.spec.hygiene else []
         if daemons:
             outcome.replace_after = (

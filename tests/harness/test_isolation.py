@@ -147,3 +147,103 @@ def test_a_torch_function_mode_left_entered_is_reported_and_the_ranks_replaced(
             "*rank ? failed: raised AssertionError: ones are not zeros*",
         ]
     )
+
+
+LEFT_AND_CAUGHT = """
+import _thread, faulthandler, os, subprocess, threading
+import pytest, torch, torch.distributed as dist
+
+
+@pytest.mark.ranks
+def test_a_leaves_faulthandler_armed(rank):
+    faulthandler.dump_traceback_later(0.5, exit=True)
+
+@pytest.mark.ranks
+def test_b_outlives_the_armed_dump(rank):
+    # Long enough for the armed dump to fire; it ended the rank inside this test.
+    threading.Event().wait(1.5)
+    t = torch.ones(1); dist.all_reduce(t); assert t.item() == dist.get_world_size()
+
+
+def _all_reduce_a_hundred():
+    dist.all_reduce(torch.full((1,), 100.0))
+
+@pytest.mark.ranks
+def test_c_leaves_a_raw_thread_in_a_collective(rank):
+    if rank == 0:  # as a C extension's thread is started: threading never lists it
+        _thread.start_new_thread(_all_reduce_a_hundred, ())
+
+@pytest.mark.ranks
+def test_d_all_reduce_is_right(rank):
+    t = torch.ones(1); dist.all_reduce(t); assert t.item() == dist.get_world_size()
+
+
+@pytest.mark.ranks
+def test_e_sends_on_the_backend_object(rank):
+    # One unreceived message per rank: the group's operation counts agree.
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend.send([torch.ones(1)], (rank + 1) % dist.get_world_size(), 0)
+
+@pytest.mark.ranks
+def test_f_send_recv_is_right(rank):
+    t = torch.full((1,), 5.0) if rank == 0 else torch.zeros(1)
+    if rank == 0:
+        dist.send(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+        assert t.item() == 5.0
+
+
+@pytest.mark.ranks
+def test_g_leaves_a_variable_set_with_putenv(rank):
+    os.putenv("PAIRS_PROBE", "set-by-the-last-test")  # os.environ never sees it
+
+@pytest.mark.ranks
+def test_h_a_child_process_does_not_inherit_it(rank):
+    assert b"PAIRS_PROBE" not in subprocess.check_output(["env"])
+
+
+@pytest.mark.ranks
+def test_i_leaves_autocast_entered(rank):
+    torch.autocast("cpu", dtype=torch.bfloat16).__enter__()
+
+@pytest.mark.ranks
+def test_j_no_autocast(rank):
+    assert not torch.is_autocast_enabled("cpu")
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+@pytest.mark.ranks
+def test_k_leaves_a_device_mesh_entered(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    init_device_mesh("cpu", (dist.get_world_size(),)).__enter__()
+
+@pytest.mark.ranks
+def test_l_no_device_mesh_entered(rank):
+    from torch.distributed.device_mesh import _mesh_resources
+    assert not _mesh_resources.mesh_stack
+"""
+
+
+@pytest.mark.isolation
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_a_test_leaves_is_restored_or_caught_and_the_next_is_unharmed(
+    pytester: pytest.Pytester, world_size: int
+) -> None:
+    """An armed faulthandler dump is cancelled; a thread threading does not list, a variable
+    set with os.putenv, autocast or a DeviceMesh left entered is the test's hygiene error
+    (its ranks replaced); a group whose backend object the test used directly is not kept."""
+    pytester.makepyfile(test_left=LEFT_AND_CAUGHT)
+    result = pytester.runpytest_subprocess(
+        "-p", "harness", "--ranks", str(world_size), "--rank-timeout", "60", "-rA"
+    )
+    result.assert_outcomes(passed=12, errors=4)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*ERROR at teardown of test_c_leaves_a_raw_thread_in_a_collective*",
+            "*hygiene: rank 0 left a thread running that threading does not list*",
+            "*hygiene: rank ? changed environment variables PAIRS_PROBE outside os.environ*",
+            "*hygiene: rank ? left autocast entered (cpu)*",
+            "*hygiene: rank ? left a DeviceMesh entered*",
+        ]
+    )

@@ -32,7 +32,7 @@ def _job(port: int, freshen: bool) -> list[Peers]:
             if freshen:
                 mine.freshen([(b or b"").split(b" ")[-1] for b in found])
             peers[rank] = mine
-        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+        except BaseException as exc:
             failed.append(exc)
 
     threads = [threading.Thread(target=start, args=(r,)) for r in (0, 1)]

@@ -1418,3 +1418,72 @@ def test_a_secret_file_others_can_read_is_refused(pytester: pytest.Pytester) -> 
     assert torchrun(directory, 2, f"--rank-secret-file={secret}").returncode == 0
     short = torchrun(directory, 2, extra_env={"HARNESS_SECRET": "short"})
     assert short.returncode != 0 and "has 5 bytes; give at least 16" in short.output
+
+
+A_FIXTURE_COLLECTIVE_TIMES_OUT = """
+from datetime import timedelta
+
+
+@pytest.fixture
+def all_reduce_on_rank_1_at_teardown():
+    yield
+    if os.environ["RANK"] == "1":  # rank 0 never joins: it times out, left queued in gloo
+        work = dist.all_reduce(torch.full((1,), 100.0), async_op=True)
+        work.wait(timeout=timedelta(seconds=2))
+
+
+@pytest.mark.ranks(2)
+def test_a_teardown_times_out(rank, all_reduce_on_rank_1_at_teardown):
+    pass
+
+
+@pytest.mark.ranks(2)
+def test_b_next(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+
+@pytest.mark.slow
+def test_a_group_a_fixtures_collective_broke_is_not_used_again(pytester: pytest.Pytester) -> None:
+    """After a teardown's collective timed out, the session's group was reused: the next
+    test's all_reduce met the one left queued (wrong data, or gloo's pair closed)."""
+    result = torchrun(write(pytester, test_fx=A_FIXTURE_COLLECTIVE_TIMES_OUT), 2)
+    assert junit_cases(result.junit) == {
+        "test_a_teardown_times_out[ranks2]": "error",
+        "test_b_next[ranks2]": "passed",
+    }, result.output
+
+
+BLOCKED_IN_A_FIXTURE = """
+@pytest.fixture
+def all_reduce_on_rank_1_at_teardown():
+    yield
+    if os.environ["RANK"] == "1":
+        dist.all_reduce(torch.ones(1))  # rank 0 never joins: blocked until the group's bound
+
+
+@pytest.mark.ranks(2)
+def test_a_teardown_blocks(rank, all_reduce_on_rank_1_at_teardown):
+    pass
+
+
+def test_b_not_reached():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_fixture_blocked_in_a_collective_ends_at_pytest_timeouts_bound(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest-timeout's SIGALRM cannot interrupt a collective blocked in C: a fixture ran
+    135 s under --timeout 15 (the group's own bound). The rank's timer reports it at 15 s
+    with its stacks, as a body's hang is reported, and the session ends there."""
+    result = torchrun(write(pytester, test_fxh=BLOCKED_IN_A_FIXTURE), 2, "--timeout", "15")
+    assert result.returncode != 0, result.output
+    assert "ERROR at teardown of test_a_teardown_blocks" in result.output, result.output
+    assert "still running at pytest-timeout's bound (15 s)" in result.output, result.output
+    assert "all_reduce_on_rank_1_at_teardown" in result.output, result.output  # its stack
+    assert "test_b_not_reached" in result.output, result.output  # listed as not run
