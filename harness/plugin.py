@@ -43,6 +43,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     fresh = "set every rank test's group up afresh (default: reuse the last clean test's group)"
     group.addoption("--rank-fresh-group", action="store_true", dest="rank_fresh_group", help=fresh)
     parser.addini("rank_fresh_group", fresh, type="bool", default=False)
+    check = (
+        "do not compare the ranks' collectives on the harness's group (default: a collective "
+        "one rank calls differently, an op, shape or dtype, fails the test naming that rank)"
+    )
+    group.addoption(
+        "--rank-no-collective-check",
+        action="store_true",
+        dest="rank_no_collective_check",
+        help=check,
+    )
+    parser.addini(
+        "rank_collective_check",
+        "compare the ranks' collectives on the harness's group (default: true)",
+        type="bool",
+        default=True,
+    )
 
 
 _sessions: set[pytest.Config] = set()  # the harness's sessions now configured in this process

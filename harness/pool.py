@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import mmap
 import multiprocessing
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import multiprocessing.resource_tracker
@@ -29,11 +30,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import environment, loopback, reaper, signing
+from harness import collective_match, environment, loopback, reaper, signing
 from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.protocol import (
+    COUNT_SIZE,
     CURRENT_TEST,
+    ISSUED_SIZE,
     OUTPUT_LIMIT,
     Backend,
     DropGroup,
@@ -44,6 +47,7 @@ from harness.protocol import (
     RunTask,
     StartMethod,
     Target,
+    decode_collectives,
     decode_issued,
     decode_where,
 )
@@ -119,6 +123,7 @@ class _Slot:
             self.process.start()
         child.close()
         self.pid: int = self.process.pid
+        self._board: mmap.mmap | None = None  # the rank's operations board, once it exists
 
     def kill(self) -> None:
         reaper.kill_tree(self.pid)  # what it started, in its session or in new ones
@@ -128,16 +133,44 @@ class _Slot:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
     def read_output(self) -> str:
         """Both streams, for a rank that could not start."""
         return tail(self.files.stdout) + tail(self.files.stderr)
 
+    def board(self) -> bytes:
+        """The rank's operations board (see protocol.ISSUED_SIZE), read from shared memory;
+        empty until the rank has made it."""
+        found = self._mapped_board()
+        return b"" if found is None else found[:ISSUED_SIZE]
+
+    def clear_board(self) -> None:
+        """Zero the counts before a run, so that no count of the last run is read as this
+        one's while the rank has not started it yet."""
+        found = self._mapped_board()
+        if found is not None:
+            found[: COUNT_SIZE * 2] = bytes(COUNT_SIZE * 2)
+
+    def _mapped_board(self) -> mmap.mmap | None:
+        if self._board is None:
+            try:
+                with open(self.files.issued, "r+b") as f:
+                    self._board = mmap.mmap(f.fileno(), ISSUED_SIZE)
+            except (OSError, ValueError):
+                return None
+        return self._board
+
     def read_issued(self) -> int:
-        """Operations this rank issued on its group in the current test (shared memory)."""
-        with contextlib.suppress(OSError):
-            return decode_issued(self.files.issued.read_bytes())
-        return 0
+        """Operations this rank issued on its group in the current test."""
+        return decode_issued(self.board()[:COUNT_SIZE])
+
+    def read_collectives(self) -> tuple[int, dict[int, str]]:
+        """The collectives this rank called on its group in the current test: how many, and
+        the last ones' fingerprints by index."""
+        return decode_collectives(self.board())
 
     def read_where(self) -> str:
         with contextlib.suppress(OSError):
@@ -403,12 +436,15 @@ class _Run:
         self._poll = select.poll()
         self._watched: dict[int, tuple[_Slot, bool]] = {}  # fd -> (slot, is its pipe)
         self._to_settle: set[int] = set()  # ranks that say whether they stay (Kind.SETTLED)
+        self._compared = 0  # collectives every rank had called, when last compared
+        self._mismatch_found: collective_match.Mismatch | None = None
 
     def collect(self) -> list[RankOutcome]:
         start = time.monotonic()
         for slot in self.slots:
             self._watch(slot)
             _empty_output(slot.files)
+            slot.clear_board()
         for slot, task in zip(self.slots, self.tasks, strict=False):
             try:  # plain pickle: a task needs none of ForkingPickler's reducers
                 slot.conn.send_bytes(pickle.dumps(Message(Kind.RUN, task), pickle.HIGHEST_PROTOCOL))
@@ -429,7 +465,9 @@ class _Run:
             self._wait_once(min(remaining, self._poll_s()))
             self._live.drain()
             self._drop_kept_groups_if_peers_lag()
+            self._fail_on_a_mismatch()
         self._live.drain(final=True)
+        self._name_a_mismatch()
         for slot in self.slots:
             self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
             self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
@@ -469,10 +507,13 @@ class _Run:
         return True
 
     def _poll_s(self) -> float:
-        """How long one wait may block: short while output streams live or groups are kept."""
-        kept = any(o.kept_group for o in self.outcomes.values())
+        """How long one wait may block: short while output streams live or a run is on the
+        harness's group (its kept groups and collectives are watched)."""
+        # On the harness's group, the ranks' collectives are compared as they go: a rank
+        # blocked in one its peers called differently gives no other sign.
+        harness_group = not self.tasks[0].spec.bare and self.tasks[0].launch_port is None
         cuttable = self.tasks[0].spec.bare  # a run without a group (harness.spawn's may be cut)
-        return LIVE_POLL_S if self._live.enabled or kept or cuttable else float("inf")
+        return LIVE_POLL_S if self._live.enabled or harness_group or cuttable else float("inf")
 
     def _drop_kept_groups_if_peers_lag(self) -> None:
         """Returned ranks give their kept group up once a peer failed, or once a peer still
@@ -487,17 +528,56 @@ class _Run:
         if self.first_failure_at is None and not self._a_peer_waits_on(kept):
             return
         for outcome in kept:
-            outcome.kept_group = None
-            slot = next(s for s in self.slots if s.rank == outcome.rank)
-            with contextlib.suppress(OSError):
-                slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
-                self._to_settle.add(outcome.rank)
+            self._give_group_up(outcome)
+
+    def _give_group_up(self, outcome: RankOutcome) -> None:
+        """Tell a rank that kept its group to tear it down; it then says whether it stays."""
+        outcome.kept_group = None
+        slot = next(s for s in self.slots if s.rank == outcome.rank)
+        with contextlib.suppress(OSError):
+            slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
+            self._to_settle.add(outcome.rank)
 
     def _a_peer_waits_on(self, returned: list[RankOutcome]) -> bool:
-        """Whether a rank still running has issued an operation no returned rank will match."""
+        """Whether a rank still running has issued an operation no returned rank will match,
+        or the ranks called a collective differently (one may wait for good)."""
         done = {o.rank for o in returned}
         least = min(s.read_issued() for s in self.slots if s.rank in done)
-        return any(s.read_issued() > least for s in self._pending())
+        if any(s.read_issued() > least for s in self._pending()):
+            return True
+        return self._mismatch() is not None
+
+    def _mismatch(self) -> collective_match.Mismatch | None:
+        """The first collective the ranks called differently on the harness's group."""
+        spec = self.tasks[0].spec
+        if not spec.collective_check or spec.bare or self.tasks[0].launch_port is not None:
+            return None  # turned off, or the test's own group: not counted
+        if self._mismatch_found is not None:
+            return self._mismatch_found
+        reached = min(_collectives_called(s.board()) for s in self.slots)
+        if reached <= self._compared:  # what every rank has called, compared already
+            return None
+        boards = {s.rank: s.read_collectives() for s in self.slots}
+        self._mismatch_found = collective_match.find(boards, since=self._compared)
+        self._compared = reached
+        return self._mismatch_found
+
+    def _fail_on_a_mismatch(self) -> None:
+        """Collectives called differently fail the run as a rank's failure does: the ranks
+        still running get the failure grace (they may wait in them for good)."""
+        if self.grace_from is None and self._mismatch() is not None:
+            self.first_failure_at = self.grace_from = time.monotonic()
+
+    def _name_a_mismatch(self) -> None:
+        """A collective called differently: its odd rank is the root cause, and no rank
+        keeps the group (collectives left unmatched on it would meet the next test's)."""
+        mismatch = self._mismatch()
+        if mismatch is None:
+            return
+        collective_match.blame(mismatch, self.outcomes)
+        for outcome in self.outcomes.values():
+            if outcome.kept_group:
+                self._give_group_up(outcome)
 
     def _pending(self) -> list[_Slot]:
         return [s for s in self.slots if s.rank not in self.outcomes]
@@ -585,6 +665,10 @@ class _Run:
             else:
                 outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
             self.outcomes[slot.rank] = outcome
+
+
+def _collectives_called(board: bytes) -> int:
+    return decode_issued(board[COUNT_SIZE : 2 * COUNT_SIZE])
 
 
 _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)

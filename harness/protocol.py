@@ -144,6 +144,8 @@ class RankSpec:
     warning_filters: WarningFilters = WarningFilters()
     threads: int | None = None  # torch intra-op threads per rank; None: torch's own
     fresh_group: bool = False  # never run on a group kept from an earlier test
+    # Compare the ranks' collectives on the harness's group (collective_match.py).
+    collective_check: bool = True
     assert_verbosity: int = 0  # pytest's -v for the diffs of the body's failed asserts
     log_capture: LogCapture | None = None  # None: the rank's records go where logging sends them
     show_locals: int | None = None  # --showlocals: longest repr of a local (0: whole); None: off
@@ -328,13 +330,31 @@ def decode_where(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-ISSUED_SIZE = 8  # the issued-operations count: one unsigned 64-bit integer, little-endian
+# A rank's operations board, shared memory the pytest side reads while the rank runs: the
+# count of operations it issued on the harness's group in the current test, the count of
+# collectives among them, and the last COLLECTIVES_KEPT collectives' fingerprints (ring).
+COUNT_SIZE = 8  # each count: an unsigned 64-bit integer, little-endian
+FINGERPRINT_SIZE = 96  # "all_reduce [2] float32", NUL-padded
+COLLECTIVES_KEPT = 32
+ISSUED_SIZE = 2 * COUNT_SIZE + COLLECTIVES_KEPT * FINGERPRINT_SIZE
 
 
 def decode_issued(raw: bytes) -> int:
     """The count of operations a rank issued on its group in the current test (0 if the
-    file is not written yet)."""
-    return int.from_bytes(raw[:ISSUED_SIZE].ljust(ISSUED_SIZE, b"\0"), "little")
+    board is not written yet)."""
+    return int.from_bytes(raw[:COUNT_SIZE].ljust(COUNT_SIZE, b"\0"), "little")
+
+
+def decode_collectives(raw: bytes) -> tuple[int, dict[int, str]]:
+    """How many collectives a rank called on its group in the current test, and the
+    fingerprints of the last ones it kept, by their index (0 for its first)."""
+    raw = raw.ljust(ISSUED_SIZE, b"\0")
+    count = int.from_bytes(raw[COUNT_SIZE : 2 * COUNT_SIZE], "little")
+    kept = {}
+    for index in range(max(0, count - COLLECTIVES_KEPT), count):
+        at = 2 * COUNT_SIZE + (index % COLLECTIVES_KEPT) * FINGERPRINT_SIZE
+        kept[index] = raw[at : at + FINGERPRINT_SIZE].split(b"\0", 1)[0].decode(errors="replace")
+    return count, kept
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class Settings:
     backend: Backend = "gloo"
     rank_threads: int | None = None  # --rank-threads or the ini key
     fresh_group: bool = False  # --rank-fresh-group: no test runs on a group kept from another
+    # Compare the ranks' collectives on the harness's group (off: --rank-no-collective-check).
+    collective_check: bool = True
     adopt: frozenset[str] = frozenset()  # --rank-adopt: the bases whose tests run on warm ranks
     launched: Launch | None = None  # torchrun started this process as one rank of a job
     assert_verbosity: int = 0  # -v / verbosity_assertions: how much an assert diff shows
@@ -124,6 +126,8 @@ def configure(config: pytest.Config) -> Settings:
             rank_threads=_from_option(config, "rank_threads", None, _threads),
             fresh_group=bool(config.getoption("rank_fresh_group", False))
             or bool(config.getini("rank_fresh_group")),
+            collective_check=not config.getoption("rank_no_collective_check", False)
+            and bool(config.getini("rank_collective_check")),
             adopt=_from_option(config, "rank_adopt", frozenset(), _adopters),
             launched=launched,
             assert_verbosity=_assert_verbosity(config),
@@ -411,6 +415,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         start_method=settings.start_method,
         launch=_launch(mark.kwargs.get("launch", False), origin),
         fresh_group=settings.fresh_group or _flag("fresh_group", mark, origin),
+        collective_check=settings.collective_check,
         faults=_marked_faults(item, world_size),
         expected=_marked_expectations(item, world_size),
         hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
@@ -502,6 +507,7 @@ def spec_for_call(
         warning_filters=rank_warnings.filters_for(config, node),
         threads=settings.threads_for(size),
         fresh_group=settings.fresh_group,
+        collective_check=settings.collective_check,
         assert_verbosity=settings.assert_verbosity,
         show_locals=settings.show_locals,
         stray_warnings=settings.stray_warnings,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from harness.outcome import Messages
-from harness.protocol import ISSUED_SIZE
+from harness.protocol import COLLECTIVES_KEPT, COUNT_SIZE, FINGERPRINT_SIZE, ISSUED_SIZE
 from harness.rank import group_release
 
 
@@ -60,22 +60,77 @@ _current: _Group | None = None
 # a peer still running that has issued more than a rank that returned waits on it (an event,
 # where a guess in seconds once failed slow peers on a busy machine).
 _issued = 0
+_collectives = 0  # of them, collectives (what every rank must call alike, in order)
+fingerprinting = True  # the test's spec.collective_check: note each collective's fingerprint
 _board: mmap.mmap | None = None
 
 
 def share_issued_count(path: str) -> None:
-    """Keep the count of operations issued in the current test in the file at `path`."""
+    """Keep the counts and the last collectives' fingerprints in the file at `path`."""
     global _board
     with open(path, "w+b") as f:
         f.truncate(ISSUED_SIZE)
         _board = mmap.mmap(f.fileno(), ISSUED_SIZE)
 
 
-def _set_issued(count: int) -> None:
-    global _issued
-    _issued = count
+def _reset_counts() -> None:
+    global _issued, _collectives
+    _issued = _collectives = 0
     if _board is not None:
-        _board[:ISSUED_SIZE] = count.to_bytes(ISSUED_SIZE, "little")
+        _board[: 2 * COUNT_SIZE] = bytes(2 * COUNT_SIZE)
+
+
+def _note_issued(name: str, args: tuple[Any, ...]) -> None:
+    """One more operation issued; a collective's fingerprint is written before its count,
+    so the pytest side never reads a count whose fingerprint is not there yet."""
+    global _issued, _collectives
+    if name not in _POINT_TO_POINT:
+        if _board is not None and fingerprinting:
+            at = 2 * COUNT_SIZE + (_collectives % COLLECTIVES_KEPT) * FINGERPRINT_SIZE
+            text = _fingerprint(name, args).encode()[: FINGERPRINT_SIZE - 1]
+            _board[at : at + FINGERPRINT_SIZE] = text.ljust(FINGERPRINT_SIZE, b"\0")
+        _collectives += 1
+    _issued += 1
+    if _board is not None:
+        _board[: 2 * COUNT_SIZE] = _issued.to_bytes(COUNT_SIZE, "little") + _collectives.to_bytes(
+            COUNT_SIZE, "little"
+        )
+
+
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})
+# torch.distributed's names for ProcessGroup's methods, as a user calls them.
+_CALLED_AS = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather", "_allgather_base": "all_gather_into_tensor",
+    "allgather_coalesced": "all_gather_coalesced",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "_reduce_scatter_base": "reduce_scatter_tensor", "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single", "_end_coalescing": "a coalesced block",
+}  # fmt: skip
+# Collectives whose tensors may differ in shape from rank to rank (uneven splits).
+_ANY_SHAPE = frozenset({"alltoall", "alltoall_base", "all_to_all_single", "_end_coalescing"})
+
+
+def _fingerprint(name: str, args: tuple[Any, ...]) -> str:
+    """'all_reduce [2] float32': the collective as called, and its first tensor."""
+    called = _CALLED_AS.get(name, name)
+    tensor = _first_tensor(args)
+    if tensor is None:
+        return called
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    shape = "" if name in _ANY_SHAPE else f" {list(tensor.shape)}"
+    return f"{called}{shape} {dtype}"
+
+
+def _first_tensor(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    if depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def made(group_id: str, keepable: bool) -> None:
@@ -84,7 +139,7 @@ def made(group_id: str, keepable: bool) -> None:
     global _current
     forget()
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
-    _set_issued(0)
+    _reset_counts()
     _current.unwaited_before = _unwaited_functional()
     _current.store = _world().pg_map[_current.pg][1]
 
@@ -137,7 +192,7 @@ def watch_operations() -> None:
     for name in _OPERATIONS:
         original = getattr(cls, name, None)
         if original is not None and not getattr(original, "_harness_watches", False):
-            setattr(cls, name, _watching(original, _COUNTERS.get(name)))
+            setattr(cls, name, _watching(name, original, _COUNTERS.get(name)))
     backend: Any = torch._C._distributed_c10d.Backend
     for name in _OPERATIONS:
         original = backend.__dict__.get(name)
@@ -157,13 +212,13 @@ def _noting_backend_use(original: Any) -> Any:
     return noted
 
 
-def _watching(original: Any, count: Any) -> Any:
+def _watching(name: str, original: Any, count: Any) -> Any:
     def watched(group: Any, *args: Any, **kwargs: Any) -> Any:
         if _current is None or group is not _current.pg:
             return original(group, *args, **kwargs)
         if count is not None:
             count(_current, *args, **kwargs)
-        _set_issued(_issued + 1)
+        _note_issued(name, args)
         work = original(group, *args, **kwargs)
         if hasattr(work, "is_completed"):
             _note_unfinished(_current, work)
@@ -218,7 +273,7 @@ def reuse(store_prefix: str) -> None:
     _current.before_test = _groups()
     _current.unwaited_before = _unwaited_functional()
     _current.backend_used = False
-    _set_issued(0)
+    _reset_counts()
     backend, _ = _world().pg_map[_current.pg]
     store = dist.PrefixStore(store_prefix, _current.store)  # type: ignore[attr-defined]
     _world().pg_map[_current.pg] = (backend, store)

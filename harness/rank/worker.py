@@ -505,6 +505,7 @@ def _enter_test_context(task: RunTask) -> None:
         torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(task.device))
+    kept_group.fingerprinting = spec.collective_check
     reuse = kept_group.reusable(task.reuse_group)
     if not reuse:
         _teardown_group()  # a kept group this test does not run on

@@ -35,6 +35,18 @@ class _FakeSlot:
     def read_where(self) -> str:
         return ""
 
+    def board(self) -> bytes:  # no operations board: no collective seen
+        return b""
+
+    def clear_board(self) -> None:
+        pass
+
+    def read_issued(self) -> int:
+        return 0
+
+    def read_collectives(self) -> tuple[int, dict[int, str]]:
+        return 0, {}
+
 
 class _FakePool:
     def __init__(self, size: int) -> None:

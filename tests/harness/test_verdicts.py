@@ -317,7 +317,8 @@ def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
                 dist.all_reduce(t)
         """
     )
-    result = inner.runpytest("-p", "harness")
+    # Without the collective check (with it, rank 0 is named: test_a_mismatched_...).
+    result = inner.runpytest("-p", "harness", "--rank-no-collective-check")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -326,6 +327,11 @@ def test_ranks_out_of_step_in_a_hang_are_named_with_where_each_is(
         ]
     )
     result.stdout.no_fnmatch_line("*root cause*")
+    checked = inner.runpytest("-p", "harness")
+    checked.assert_outcomes(failed=1)
+    checked.stdout.fnmatch_lines(
+        ["rank 0 failed: raised CollectiveMismatch: called broadcast on a tensor of shape *"]
+    )
 
 
 # ---- clearer reports ------------------------------------------------------------------------
@@ -779,3 +785,92 @@ def test_exits_with_words(rank):
     result = pytester.runpytest_subprocess("-p", "harness")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 failed: called sys.exit('disk full on /scratch')*"])
+
+
+MISMATCHED_COLLECTIVES = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.ranks(4, timeout=120)
+def test_an_uneven_last_batch(rank):
+    batch = torch.ones(2 if rank == 3 else 1)
+    dist.all_reduce(batch)
+
+@pytest.mark.ranks(4, timeout=120)
+def test_another_collective_on_one_rank(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 2:
+        dist.broadcast(t, src=0)
+    else:
+        dist.all_reduce(t)
+
+@pytest.mark.ranks(2, timeout=120)
+def test_two_ranks_disagree(rank):
+    dist.all_reduce(torch.ones(rank + 1))
+
+@pytest.mark.ranks(4, timeout=120)
+def test_matching_collectives_pass(rank):
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=1)
+    assert t.tolist() == [4.0] * 3
+"""
+
+
+def test_a_mismatched_collective_names_the_odd_rank(inner: pytest.Pytester) -> None:
+    """One rank all_reduced a tensor of another shape (an uneven last batch): gloo let the
+    others return unreduced data, and the harness named them ("ranks 0, 2, 1 returned while
+    rank 3 waited"). Each rank's collectives on the harness's group are now compared: the
+    odd rank is the root cause, at once, with what it called and what the others did."""
+    inner.makepyfile(test_mismatch=MISMATCHED_COLLECTIVES)
+    result = inner.runpytest("-p", "harness", "-rA")
+    result.assert_outcomes(passed=1, failed=3)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*rank 1 failed: raised CollectiveMismatch: called all_reduce on a tensor of shape "
+            "[[]2[]] (float32) as collective 1 on the group; rank 0 called all_reduce on [[]1[]] "
+            "(float32) (no call has a majority, so which rank is wrong cannot be told)*",
+            "*rank 3 failed: raised CollectiveMismatch: called all_reduce on a tensor of shape "
+            "[[]2[]] (float32) as collective 1 on the group; ranks 0, 1, 2 called all_reduce "
+            "on [[]1[]] (float32)*",
+            "*rank 2 failed: raised CollectiveMismatch: called broadcast on a tensor of shape "
+            "[[]1[]] (float32) as collective 2 on the group; ranks 0, 1, 3 called all_reduce "
+            "on [[]1[]] (float32)*",
+        ]
+    )
+    assert "timeout" not in result.stdout.str().split("short test summary")[-1]
+
+
+def test_the_collective_check_can_be_turned_off(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(2, timeout=5)
+        def test_an_uneven_last_batch(rank):
+            dist.all_reduce(torch.ones(rank + 1))
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-no-collective-check")
+    result.assert_outcomes(failed=1)
+    assert "CollectiveMismatch" not in result.stdout.str()
+
+
+def test_collectives_are_compared_in_order_and_the_odd_rank_named() -> None:
+    from harness import collective_match
+
+    alike = {r: (2, {0: "all_reduce [1] float32", 1: "barrier"}) for r in range(3)}
+    assert collective_match.find(alike) is None
+    boards = dict(alike)
+    boards[1] = (2, {0: "all_reduce [1] float32", 1: "broadcast [1] float32"})
+    boards[2] = (1, {0: "all_reduce [1] float32"})  # not there yet: nothing to compare
+    assert collective_match.find(boards) is None
+    boards[2] = (2, {0: "all_reduce [1] float32", 1: "barrier"})
+    found = collective_match.find(boards)
+    assert found is not None and found.index == 1 and found.odd == [1]
+    assert found.sentence(1).startswith(
+        "called broadcast on a tensor of shape [1] (float32) as collective 2 on the group; "
+        "ranks 0, 2 called barrier:"
+    )
+    # Older than a board keeps (its ring holds the last ones only): not compared.
+    assert collective_match.find({0: (40, {39: "barrier"}), 1: (40, {})}) is None
