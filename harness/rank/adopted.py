@@ -65,7 +65,8 @@ def run_multiprocess_case(
 ) -> None:
     """Call the class's ``_run`` classmethod as the base does in each spawned process.
 
-    The base ends a rank with ``sys.exit``: its error status (the exception is the exit's
+    The base ends a rank with ``sys.exit``: status 0 is a pass (torch's parent counts it as
+    one; DistributedTest ends every rank so), its error status (the exception is the exit's
     context) is raised again with its own traceback, its skip statuses become skips, and any
     other exit stays an exit, which the harness counts as a failure.
     """
@@ -82,6 +83,8 @@ def run_multiprocess_case(
 
 def _translate_exit(exc: SystemExit) -> None:
     code = exit_code(exc)
+    if code == 0:  # the base's normal end (DistributedTest's _run exits 0): a pass, as for torch
+        return
     cause = exc.__context__
     if isinstance(cause, unittest.SkipTest):
         raise pytest.skip.Exception(str(cause) or "skipped") from None

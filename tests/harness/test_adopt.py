@@ -1268,3 +1268,46 @@ def test_pytest_timeout_still_bounds_an_adopted_tests_own_set_up_and_tear_down(
     )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*Timeout (>5.0s) from pytest-timeout*"])
+
+
+# torch's own distributed suite, as PyTorch's test/distributed/test_distributed_spawn.py runs
+# it (the suite ships in torch's wheel; only this wrapper is ours).
+DISTRIBUTED_TEST = """
+import os
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+
+import torch
+from torch.testing._internal.distributed.distributed_test import (
+    DistributedTest, TestDistBackend,
+)
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+"""
+DISTRIBUTED_SELECTION = [
+    f"test_distributed_spawn.py::TestDistBackendWithSpawn::test_{name}"
+    for name in (
+        "all_reduce_sum", "all_reduce_max", "all_reduce_sum_async", "broadcast",
+        "broadcast_full_group", "barrier", "barrier_full_group", "reduce_sum",
+        "reduce_sum_twice", "all_gather", "all_reduce_sum_cuda",  # the last: a skip on CPU
+    )
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_torchs_shipped_distributed_test_passes_adopted_as_it_does_as_it_is(
+    pytester: pytest.Pytester,
+) -> None:
+    """Every rank of torch's DistributedTest ends with sys.exit(0), its base's protocol:
+    adopted, 10 of 10 tests that pass as they are failed ("called sys.exit(0)")."""
+    pytester.makepyfile(test_distributed_spawn=DISTRIBUTED_TEST)
+    select = (*DISTRIBUTED_SELECTION, "-p", "no:cacheprovider", "-W", "ignore", "-rA")
+    as_is = pytester.runpytest_subprocess(*select, "-p", "no:harness")
+    adopted = pytester.runpytest_subprocess(*select, "-p", "harness", "--rank-adopt", "torch")
+    verdicts = as_is.parseoutcomes()
+    assert verdicts == {"passed": 10, "skipped": 1}, as_is.stdout.str()
+    assert adopted.parseoutcomes() == verdicts, adopted.stdout.str()
