@@ -9,6 +9,7 @@ must give the same verdicts except those false greens, which the adoption turns 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from benchmarks._common import run_pytest
@@ -140,10 +141,78 @@ def main() -> list[str]:
     return lines
 
 
+# torch's own DistributedTest, wrapped as PyTorch's test/distributed/test_distributed_spawn.py
+# wraps it (the suite ships in torch's wheel), restricted to a selection of its tests.
+DISTRIBUTED_SELECTION = (
+    "all_reduce_sum", "all_reduce_max", "all_reduce_sum_async", "all_reduce_sum_complex",
+    "broadcast", "broadcast_full_group", "barrier", "barrier_full_group", "reduce_sum",
+    "reduce_sum_twice", "all_gather", "all_gather_complex", "all_gather_full_group",
+    "all_reduce_sum_cuda",  # skipped on CPU, as it is and adopted
+)  # fmt: skip
+DISTRIBUTED_TARGET = 10.0
+DISTRIBUTED_SOURCE = """
+import os
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+
+from torch.testing._internal.distributed.distributed_test import (
+    DistributedTest, TestDistBackend,
+)
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+
+SELECTED = {selected!r}
+for _name in dir(TestDistBackendWithSpawn):  # the selection: the others are not collected
+    if _name.startswith("test_") and _name[5:] not in SELECTED:
+        setattr(TestDistBackendWithSpawn, _name, None)
+"""
+
+
+def distributed_test() -> list[str]:
+    """torch's DistributedTest selection, whole file, as it is and adopted."""
+    source = DISTRIBUTED_SOURCE.format(selected=set(DISTRIBUTED_SELECTION))
+    runs = {}
+    for name, args in (
+        ("as_is", ["-p", "no:harness"]),
+        ("adopted", ["-p", "harness", "--rank-adopt", "torch"]),
+    ):
+        start = time.perf_counter()
+        found = run_pytest(source, [*args, "-W", "ignore"])
+        runs[name] = (time.perf_counter() - start, found)
+    (wall_before, before), (wall_after, after) = runs["as_is"], runs["adopted"]
+    same = before["outcomes"] == after["outcomes"] and len(before["outcomes"]) == len(
+        DISTRIBUTED_SELECTION
+    )
+    ratio = wall_before / wall_after if wall_after else 0.0
+    median_before = statistics.median(before["times"].values()) if before["times"] else 0.0
+    median_after = statistics.median(after["times"].values()) if after["times"] else 0.0
+    return [
+        f"## torch's DistributedTest ({len(DISTRIBUTED_SELECTION)} tests, 2 ranks, gloo), "
+        f"whole file",
+        "",
+        "| run | whole file (pytest's start included) | median test | verdicts |",
+        "|---|---|---|---|",
+        f"| as it is | {wall_before:.1f} s | {median_before * 1e3:.0f} ms | "
+        f"{_counts(before['outcomes'])} |",
+        f"| --rank-adopt torch | {wall_after:.1f} s | {median_after * 1e3:.0f} ms | "
+        f"{_counts(after['outcomes'])} |",
+        "",
+        f"- {'HOLDS' if same else 'MISSED'}: the same verdicts",
+        f"- {'HOLDS' if ratio >= DISTRIBUTED_TARGET else 'MISSED'}: at least "
+        f"{DISTRIBUTED_TARGET:.0f}x faster over the whole file ({ratio:.1f}x)",
+        "",
+    ]
+
+
 def _counts(outcomes: dict[str, str]) -> str:
     values = list(outcomes.values())
     return ", ".join(f"{values.count(o)} {o}" for o in ("passed", "failed", "skipped"))
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print("\n".join(main() + distributed_test()))

@@ -49,6 +49,8 @@ def main() -> int:
     _write(lines)
     print("measuring an existing suite, as it is and adopted...", flush=True)
     lines += adopt.main()
+    print("measuring torch's DistributedTest, as it is and adopted...", flush=True)
+    lines += adopt.distributed_test()
     _write(lines)
     print("measuring the library against torch's object collectives...", flush=True)
     section, rows = collectives.main()

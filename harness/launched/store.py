@@ -78,6 +78,7 @@ class Peers:
         job = hashlib.sha256(" ".join(words).encode()).hexdigest()[:32]
         self.prefix = f"{self.prefix}/{job}"
         self.store = dist.PrefixStore(self.prefix, self._base)  # type: ignore[attr-defined]
+        self.beat()  # at once under the new prefix: a peer may look for it before the next
 
     def put(self, key: str, value: bytes | str) -> None:
         self.store.set(self._name(key), signing.sign(self.secret, self._where(key), value))
