@@ -335,16 +335,28 @@ def _run_and_judge(
     # The harness's timer bounds the ranks; pytest-timeout's the class's own setUp and
     # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
     with runner.pytest_timeout_paused(item):
-        outcomes = _load_once(item, spec, case)
+        outcomes = loads = _load_once(item, spec, case)
         if all(o.ok for o in outcomes):
             target = packing.function_target(entry)
             outcomes = ranks.on_warm_ranks(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
+    _attach_import_output(item, case, loads)
     rank_warnings.reemit(outcomes)
+    runner.warn_of_replaced_ranks(item, outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
     judge_adopted(item, spec, outcomes)
+
+
+def _attach_import_output(item: pytest.Item, case: Target, loads: list[RankOutcome]) -> None:
+    """What the ranks printed while importing the test's module (a library's load warnings),
+    on the first test that loaded it there, as a plain run shows it in each test's output."""
+    for o in loads:
+        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
+            if text:
+                title = f"{stream} [rank {o.rank}] importing {case.module}"
+                item.add_report_section("call", title, text)
 
 
 def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutcome]:

@@ -239,6 +239,10 @@ def tail(path: Path) -> str:
 
 
 LIVE_POLL_S = 0.1
+HELD_GROUP = (
+    "ended after the test: something still holds its torn-down process group (a subgroup "
+    "or DeviceMesh kept in a cache, say), whose sockets only the process's end closes"
+)
 # How long a rank may take to say it stays after a failure or a dropped group: its own bound
 # on the check (worker.RELEASE_BOUND_S, then garbage collection), and some.
 SETTLE_S = 5.0
@@ -485,26 +489,36 @@ class _Run:
 
     def _all_stay(self) -> bool:
         """Wait for each rank that is to settle (after a failure on it, or a dropped group)
-        to say it stays; False when one ends or says nothing within SETTLE_S. A rank that
-        ended once the next run was sent to it would fail that run."""
+        to say it stays; False when one ends or says nothing within SETTLE_S, noted as the
+        reason it is replaced. A rank that ended once the next run was sent to it would fail
+        that run."""
         pending = {s.conn: s for s in self.slots if s.rank in self._to_settle}
         deadline = time.monotonic() + SETTLE_S
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                for slot in pending.values():
+                    self._replaced(slot.rank, f"did not say within {SETTLE_S:g} s whether it stays")
                 return False
             ready: list[Any] = multiprocessing.connection.wait(list(pending), timeout=left)
             for conn in ready:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
+                    self._replaced(pending[conn].rank, "ended after the test")
                     return False
                 said = message.payload
                 if message.kind is Kind.SETTLED and said.key == self.key:
                     if said.leaving:
+                        self._replaced(pending[conn].rank, HELD_GROUP)
                         return False
                     del pending[conn]
         return True
+
+    def _replaced(self, rank: int, why: str) -> None:
+        outcome = self.outcomes.get(rank)
+        if outcome is not None and not outcome.replace_after:
+            outcome.replace_after = why
 
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or a run is on the

@@ -44,8 +44,9 @@ class RankLeftovers(Exception):
 
 
 class RanksReplacedWarning(pytest.PytestWarning):
-    """A rank test left daemon threads running, so its ranks were replaced before the next
-    test (a start of new ranks); ``@pytest.mark.allow_leftovers("threads")`` keeps them."""
+    """A passing test's ranks were replaced before the next test (a start of new ranks):
+    it left daemon threads running (``@pytest.mark.allow_leftovers("threads")`` keeps
+    them), or something still held its torn-down group, or the like; the warning says."""
 
 
 class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone
@@ -64,7 +65,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
-    _warn_of_replaced_ranks(item, outcomes)
+    warn_of_replaced_ranks(item, outcomes)
     record_leftovers(item, outcomes)
     if ranks.reports_output:
         attach_output(item, outcomes)
@@ -98,18 +99,20 @@ def _warn_of_returned_values(item: pytest.Function, outcomes: list[RankOutcome])
         )
 
 
-def _warn_of_replaced_ranks(item: pytest.Function, outcomes: list[RankOutcome]) -> None:
-    """Say why ranks were replaced after a passing test: each replacement costs a start."""
+def warn_of_replaced_ranks(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+    """Say why ranks were replaced after a test that passed: each replacement costs a start
+    of new ranks (a failed test's report says why already)."""
     why = [f"rank {o.rank} {o.replace_after}" for o in outcomes if o.replace_after]
-    if why:
-        warnings.warn(
-            RanksReplacedWarning(
-                f"{item.nodeid}: {'; '.join(why)} (a thread that would act in a later test; "
-                f"one a library keeps for the process: @pytest.mark.allow_leftovers('threads') "
-                f"keeps the ranks)"
-            ),
-            stacklevel=1,
-        )
+    if not why or not all(o.ok or o.ending is Ending.SKIPPED for o in outcomes):
+        return
+    threads = any("thread" in o.replace_after for o in outcomes)
+    hint = (
+        " (a thread that would act in a later test; one a library keeps for the process: "
+        "@pytest.mark.allow_leftovers('threads') keeps the ranks)"
+        if threads
+        else ""
+    )
+    warnings.warn(RanksReplacedWarning(f"{item.nodeid}: {'; '.join(why)}{hint}"), stacklevel=1)
 
 
 def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:

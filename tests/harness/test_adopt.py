@@ -1311,3 +1311,56 @@ def test_torchs_shipped_distributed_test_passes_adopted_as_it_does_as_it_is(
     verdicts = as_is.parseoutcomes()
     assert verdicts == {"passed": 10, "skipped": 1}, as_is.stdout.str()
     assert adopted.parseoutcomes() == verdicts, adopted.stdout.str()
+
+
+REPLACED_AND_IMPORT_OUTPUT = (
+    """
+print("LOADING THE SUITE, as a library's load warning would")
+"""
+    + PROCESS_BASE
+    + """
+import threading
+
+HELD = []
+
+
+class TestReplacements(TwoRanks):
+    def test_a_leaves_a_daemon_thread(self):
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+    def test_b_holds_its_group(self):
+        self.join_group()
+        HELD.append(dist.new_group([0, 1]))  # a cache that outlives the test
+        dist.destroy_process_group()
+
+    def test_c_after(self):
+        self.join_group()
+        dist.barrier()
+        dist.destroy_process_group()
+"""
+)
+
+
+@pytest.mark.slow
+def test_adopted_tests_say_why_their_ranks_were_replaced_and_show_import_output(
+    pytester: pytest.Pytester,
+) -> None:
+    """RanksReplacedWarning was issued for ranks-marked tests only: adopted tests' ranks
+    were replaced (a daemon thread, a group something still held) and nothing said why.
+    And what a rank printed while importing the test module was in no report."""
+    pytester.makepyfile(test_replaced=REPLACED_AND_IMPORT_OUTPUT)
+    result = pytester.runpytest_subprocess(
+        "-p", "harness", "--rank-adopt", "torch", "-rA", "-W", "ignore::ImportWarning"
+    )
+    result.assert_outcomes(passed=3)
+    out = result.stdout.str()
+    assert (
+        "RanksReplacedWarning: test_replaced.py::TestReplacements::test_a_leaves_a_daemon_thread"
+        in out
+    ), out
+    assert "left daemon threads running" in out, out
+    assert (
+        "RanksReplacedWarning: test_replaced.py::TestReplacements::test_b_holds_its_group" in out
+    ), out
+    assert "something still holds its torn-down process group" in out, out
+    assert "LOADING THE SUITE, as a library's load warning would" in out, out
