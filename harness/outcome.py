@@ -357,8 +357,11 @@ def render_report(
     outcomes: Sequence[RankOutcome],
     diagnosis: Diagnosis,
     header: str,
+    style: ReportStyle | None = None,
 ) -> str:
-    """The failure text: the summary, then one section per failing rank, root cause first."""
+    """The failure text: the summary, then one section per failing rank, root cause first;
+    collateral ranks one line each unless `style` says verbose."""
+    style = style or ReportStyle()
     lines = [header, ""]
     order = [
         diagnosis.root,
@@ -368,8 +371,10 @@ def render_report(
         *diagnosis.collateral,
     ]
     by_rank = {o.rank: o for o in outcomes}
+    named = {diagnosis.root, *diagnosis.departed, *diagnosis.out_of_step, *diagnosis.independent}
+    brief = [] if style.verbose else [r for r in diagnosis.collateral if r not in named]
     for r in dict.fromkeys(order):
-        if r is None:
+        if r is None or r in brief:
             continue
         o = by_rank[r]
         lines.append(
@@ -382,12 +387,41 @@ def render_report(
         if o.stack:
             lines.append("-- Python stacks at the deadline --")
             lines.append(o.stack.rstrip())
-        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
-            if text.strip():
-                lines.append(f"-- rank {r} captured {stream} --")
-                lines.append(text.rstrip())
+        if style.streams:
+            for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
+                if text.strip():
+                    lines.append(f"-- rank {r} captured {stream} --")
+                    lines.append(text.rstrip())
         lines.append("")
+    if brief:
+        lines += _collateral_lines([by_rank[r] for r in brief])
     return "\n".join(lines).rstrip() + "\n"
+
+
+@dataclass(frozen=True)
+class ReportStyle:
+    """How much a failure report shows: every collateral rank's traceback (pytest's -v),
+    and each rank's captured streams (not when pytest shows them in sections of its own)."""
+
+    verbose: bool = True
+    streams: bool = True
+
+
+def _collateral_lines(collateral: list[RankOutcome]) -> list[str]:
+    """Collateral ranks, one line each: where each waited and what it got; a message that
+    repeats (gloo's transport error on every peer) is shown once."""
+    lines = [f"{'=' * 8} collateral: one line each (-v shows each one's report) {'=' * 8}"]
+    seen: set[str] = set()
+    for o in collateral:
+        said = o.describe()
+        where = f", waiting in {o.waited_in}" if o.waited_in else ""
+        alike = _PEER_ADDRESS.sub("[peer]", said)
+        lines.append(f"rank {o.rank} (pid {o.pid}){where}: {'the same' if alike in seen else said}")
+        seen.add(alike)
+    return lines
+
+
+_PEER_ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")  # gloo names each peer's address and port
 
 
 class Expectation(Protocol):
@@ -417,7 +451,9 @@ def root_cause(
 
 
 def failure_text(
-    outcomes: Sequence[RankOutcome], expected: Sequence[Expectation] = ()
+    outcomes: Sequence[RankOutcome],
+    expected: Sequence[Expectation] = (),
+    style: ReportStyle | None = None,
 ) -> str | None:
     """The report for outcomes that differ from `expected` (default: all return), or None."""
     failed = failed_ranks(outcomes, expected)
@@ -429,10 +465,10 @@ def failure_text(
         ended_badly = sorted(set(failed) | {o.rank for o in outcomes if not o.ok})
         diagnosis = diagnose(outcomes, ended_badly)
         header = f"expected outcomes not met on {ranks_phrase(failed)}"
-        body = render_report(outcomes, diagnosis, expectation_table(expected, outcomes))
+        body = render_report(outcomes, diagnosis, expectation_table(expected, outcomes), style)
         return f"{header}\n\n{body}"
     diagnosis = diagnose(outcomes, failed)
-    return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis))
+    return render_report(outcomes, diagnosis, summary_line(outcomes, diagnosis), style)
 
 
 def expectation_table(expected: Sequence[Expectation], outcomes: Sequence[RankOutcome]) -> str:

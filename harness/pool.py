@@ -741,6 +741,8 @@ class Pools:
         self._busy: set[PoolKey] = set()
         self._lock = threading.Lock()
         self.secret = signing.new_secret()  # for the keys the ranks write in the store
+        # (rank pids, module, file, mtime) of the test modules the ranks have imported.
+        self.modules_loaded: set[tuple[tuple[int, ...], str, str, int]] = set()
 
     @property
     def store_path(self) -> str:

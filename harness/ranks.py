@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
 from harness import made_in_ranks, packing
-from harness.outcome import RankOutcome
+from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
 
 if TYPE_CHECKING:
@@ -106,6 +107,9 @@ class WarmRanks:
 
     def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
         target = packing.test_target(item)
+        failed = load_test_module(self._config, spec, target)
+        if failed:
+            return failed
         return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
 
     def run_call(
@@ -156,6 +160,44 @@ def on_warm_ranks(
     from harness.pool import RunRequest
 
     return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
+
+
+def load_test_module(config: pytest.Config, spec: RankSpec, target: Target) -> list[RankOutcome]:
+    """Have the warm ranks for `spec` import `target`'s module before its test runs, once per
+    ranks and file: a phase with its own bound (--rank-import-timeout), so that a test's
+    timeout bounds its body, not a big library's import. Empty when the module is loaded;
+    else every rank's outcome (an import that failed or ran past its bound is the test's
+    failure, reported as what it is)."""
+    from harness.pool import PoolKey
+    from harness.rank import worker
+    from harness.settings import settings_of
+    from harness.stacks import fold_importlib
+
+    if target.file is None:
+        return []
+    pools = pools_of(config)
+    try:
+        stamp = Path(target.file).stat().st_mtime_ns
+    except OSError:
+        return []
+    key = (tuple(pools.get(PoolKey.of(spec)).pids), target.module, target.file, stamp)
+    if key in pools.modules_loaded:
+        return []
+    bound = settings_of(config).import_timeout_s
+    load = replace(spec, timeout_s=bound, faults=(), expected=(), launch=False, hygiene=frozenset())
+    outcomes = on_warm_ranks(config, load, packing.function_target(worker.load_test_module),
+                             encode_args((target,), {}))  # fmt: skip
+    if all(o.ok for o in outcomes):
+        pools.modules_loaded.add(key)
+        return []
+    for o in outcomes:
+        if o.ending is Ending.HUNG and not o.after_failure:
+            o.notes = [
+                f"rank {o.rank} still importing {target.module} after {bound:g} s "
+                f"(--rank-import-timeout), apart from the test's own bound"
+            ]
+            o.stack = fold_importlib(o.stack)
+    return outcomes
 
 
 def _live_streams(config: pytest.Config) -> LiveStreams | None:

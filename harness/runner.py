@@ -24,6 +24,7 @@ from harness.hygiene import CHECKS
 from harness.outcome import (
     Ending,
     RankOutcome,
+    ReportStyle,
     failure_text,
     ranks_phrase,
     root_cause,
@@ -190,7 +191,11 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     note_missed_faults(item, outcomes)
     _xfail_if_ranks_did(outcomes)
     _fail_a_partial_skip(outcomes)
-    text = failure_text(outcomes, spec.expected)
+    style = ReportStyle(
+        verbose=item.config.getoption("verbose", 0) > 0,
+        streams=not ranks_of(item.config).reports_output,  # else pytest shows them, once
+    )
+    text = failure_text(outcomes, spec.expected, style)
     if text is not None:
         first, _, rest = text.partition("\n")
         ranks = f"{spec.world_size} rank{'s' if spec.world_size != 1 else ''}"

@@ -33,6 +33,9 @@ from harness.protocol import (
 
 DEFAULT_RANKS = 2
 DEFAULT_TIMEOUT_S = 60.0
+# A rank's import of a test's module, bounded apart from the test: a big library (transformers,
+# torch.distributed.tensor) imported by four ranks at once on a busy machine takes minutes.
+DEFAULT_IMPORT_TIMEOUT_S = 600.0
 WORLD_PARAM = "_harness_world_size"
 RANKS_OPTIONS = ("timeout", "launch", "backend", "fresh_group")
 # Markers that only mean something on a ranks test.
@@ -42,6 +45,12 @@ RANK_TEST_MARKERS = ("fault", "expect", "allow_leftovers")
 OPTIONS: list[tuple[str, str, str]] = [
     ("ranks", f"world size for @pytest.mark.ranks without sizes (default {DEFAULT_RANKS})", "N"),
     ("rank_timeout", f"seconds a multi-rank test may run (default {DEFAULT_TIMEOUT_S:g})", "S"),
+    (
+        "rank_import_timeout",
+        f"seconds a rank may take to import a test's module, apart from the test's own bound "
+        f"(default {DEFAULT_IMPORT_TIMEOUT_S:g})",
+        "S",
+    ),
     ("rank_start_method", "how rank processes start: forkserver (default), spawn, fork", "M"),
     ("rank_backend", "process group backend for rank tests: gloo (default) or nccl", "B"),
     (
@@ -67,6 +76,7 @@ class Settings:
 
     ranks: int = DEFAULT_RANKS
     rank_timeout_s: float | None = None  # --rank-timeout or the ini key
+    import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S  # --rank-import-timeout or the ini key
     pytest_timeout_s: float | None = None  # pytest-timeout's --timeout, ini or env, when loaded
     start_method: StartMethod = "forkserver"
     backend: Backend = "gloo"
@@ -120,6 +130,9 @@ def configure(config: pytest.Config) -> Settings:
                 config, "ranks", launched.world_size if launched else DEFAULT_RANKS, _world_size
             ),
             rank_timeout_s=_from_option(config, "rank_timeout", None, _seconds),
+            import_timeout_s=_from_option(
+                config, "rank_import_timeout", DEFAULT_IMPORT_TIMEOUT_S, _seconds
+            ),
             pytest_timeout_s=_pytest_timeout(config),
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
             backend=_from_option(config, "rank_backend", _default_backend(launched), _backend),

@@ -115,3 +115,23 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+_IMPORTLIB = re.compile(r'  File "<frozen importlib\._bootstrap(_external)?>"')
+
+
+def fold_importlib(text: str) -> str:
+    """A stack dump with each run of importlib's own frames folded into one line."""
+    lines: list[str] = []
+    folded = 0
+    for line in text.splitlines():
+        if _IMPORTLIB.match(line):
+            folded += 1
+            continue
+        if folded:
+            lines.append(f"  [{folded} importlib frame(s)]")
+            folded = 0
+        lines.append(line)
+    if folded:
+        lines.append(f"  [{folded} importlib frame(s)]")
+    return "\n".join(lines)

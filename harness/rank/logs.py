@@ -26,6 +26,10 @@ from typing import Any, TextIO
 
 from harness.protocol import LogCapture
 
+# torch.distributed logs every collective's error to loggers it gives a NullHandler (meant
+# for no one): in a rank test each peer's copy of a transport error would show in its log.
+_TORCH_QUIET = "c10d-NullHandler"
+
 
 class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes records to the rank's log file while a test is captured."""
@@ -40,6 +44,8 @@ class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def handle(self, record: logging.LogRecord) -> bool:
         if self.capturing:
+            if record.name.startswith(_TORCH_QUIET):
+                return False  # torch's own debug lines for a NullHandler: a peer's error again
             return super().handle(record)
         if getattr(self._seen, "record", None) is not record:
             self._seen.record = record

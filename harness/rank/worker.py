@@ -682,6 +682,14 @@ class _Call:
     fixtures: FixturePlan | None  # the test's fixtures this rank makes
 
 
+def load_test_module(target: Target) -> None:
+    """Import `target`'s module as a test's run would (assertions rewritten), ahead of it:
+    its own bound then times the body, not the import (see ranks.load_test_module)."""
+    _finder.learn(target)
+    if target.file is not None:
+        _load_module(target.module, target.file)
+
+
 def _prepare_call(task: RunTask) -> _Call:
     """Load the test's module, then what may refer to its classes: the arguments, the faults."""
     _finder.learn(task.target)  # first: those classes may live in modules only pytest can find

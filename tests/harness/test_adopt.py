@@ -235,7 +235,7 @@ def test_a_failed_rank_that_still_holds_a_group_it_destroyed_frees_its_peers(
     text = result.stdout.str()
     assert "rank 1 failed: raised AssertionError" in text, text
     assert "after a peer failed; killed" not in text, text  # its peer failed as soon as it did
-    result.stdout.fnmatch_lines(["*rank 0 (pid *): raised * [[]collateral[]]*"])
+    result.stdout.fnmatch_lines(["rank 0 (pid *)*: raised *"])  # collateral: one line
 
 
 @pytest.mark.slow

@@ -338,3 +338,44 @@ def test_a_set_up_that_keeps_failing_is_a_harness_error_not_the_tests(
     result.stdout.no_fnmatch_line("*the body must not run*")
     monkeypatch.delenv(SETUP_FAILURES)
     inner.runpytest("-p", "harness", "-k", "next").assert_outcomes(passed=1)
+
+
+SLOW_TO_IMPORT = """
+import os, threading, pytest
+
+if os.environ.get("HARNESS_RANK_WORKER"):  # in the ranks: an import as slow as a big library's
+    threading.Event().wait(float(os.environ.get("SLOW_IMPORT_S", "3")))
+
+
+@pytest.mark.ranks(2, timeout=2)
+def test_quick_body(rank):
+    pass
+
+
+@pytest.mark.ranks(2, timeout=2)
+def test_quick_body_again(rank):
+    pass
+"""
+
+
+def test_importing_the_test_module_is_not_counted_in_the_tests_bound(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank imports the test module on its first test, and that counted in the test's
+    timeout: four ranks importing transformers at once were "hung outside any collective"
+    at 30 s, with some 90 importlib frames each. Loading the module is a phase of its own."""
+    inner.makepyfile(test_slow_import=SLOW_TO_IMPORT)
+    inner.runpytest("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_an_import_past_its_own_bound_is_reported_as_what_it_is(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLOW_IMPORT_S", "60")
+    inner.makepyfile(test_slow_import=SLOW_TO_IMPORT)
+    result = inner.runpytest("-p", "harness", "--rank-import-timeout", "1")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        ["*rank ? still importing test_slow_import after 1 s (--rank-import-timeout)*"]
+    )
+    assert "<frozen importlib._bootstrap>" not in result.stdout.str()  # folded

@@ -256,7 +256,7 @@ def test_wrong_guess(rank):
     rw.all_reduce("batch", lambda: 1, sum)
 """
     )
-    result = inner.runpytest("-p", "harness")
+    result = inner.runpytest("-p", "harness", "-v")  # every collateral rank's section
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [

@@ -58,9 +58,10 @@ def test_the_root_cause_section_has_values_traceback_and_output(inner: pytest.Py
             "*test_r.py*, line 8, in test_rank1",
             "*assert [[]1, 2[]] == [[]1, 3[]]",
             "*At index 1 diff: 2 != 3*",
-            "-- rank 1 captured stdout --",
+            "*collateral: one line each*",
+            "rank 0 (pid *)*",
+            "*Captured stdout [[]rank 1[]] call*",  # once, as pytest shows a test's output
             "rank 1 says hello",
-            "*rank 0 (pid *)*[[]collateral[]]*",
         ]
     )
     # The summary line is the test's one-line reason in pytest's short summary.

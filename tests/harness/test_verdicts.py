@@ -202,7 +202,7 @@ def test_a_rank_that_returns_while_peers_wait_is_named(inner: pytest.Pytester) -
         [
             "rank 3 returned while ranks 0, 1, 2 waited in all_reduce*",
             "*rank 3 (pid *): returned [[]root cause[]]*",
-            "*rank 0 (pid *)*[[]collateral[]]*",
+            "rank 0 (pid *), waiting in all_reduce: *",
         ]
     )
 
@@ -874,3 +874,38 @@ def test_collectives_are_compared_in_order_and_the_odd_rank_named() -> None:
     )
     # Older than a board keeps (its ring holds the last ones only): not compared.
     assert collective_match.find({0: (40, {39: "barrier"}), 1: (40, {})}) is None
+
+
+FAILS_WITH_COLLATERAL = """
+import logging, pytest, torch, torch.distributed as dist
+
+@pytest.mark.ranks(4)
+def test_raises_on_3(rank):
+    print(f"printed by rank {rank}")
+    logging.getLogger("mine").warning("logged by rank %d", rank)
+    if rank == 3:
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_report_fits_the_first_screen(inner: pytest.Pytester) -> None:
+    """Collateral ranks took a section each (gloo's long transport error, their traceback),
+    the same error appeared once per peer in each one's captured log as well, and a rank's
+    output and log were printed twice (in its section and again as pytest's)."""
+    inner.makepyfile(test_report=FAILS_WITH_COLLATERAL)
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 3 (pid *): raised ValueError: boom [[]root cause[]]*",
+            "rank 0 (pid *), waiting in all_reduce: raised RuntimeError: *Connection closed*",
+            "rank 1 (pid *), waiting in all_reduce: the same",
+            "rank 2 (pid *), waiting in all_reduce: the same",
+        ]
+    )
+    assert out.count("Connection closed by peer") == 1, out
+    assert out.count("logged by rank 0") == 1 and out.count("printed by rank 0") == 1, out
+    verbose = inner.runpytest("-p", "harness", "-v")
+    verbose.stdout.fnmatch_lines(["*rank 0 (pid *): raised RuntimeError: * [[]collateral[]]*"])
