@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-loaded bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test-faults: $(STAMP)
 # must not see it (a minute). CI runs it after test-slow.
 test-isolation: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
+
+# make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
+# the same verdicts as on a quiet machine (about half an hour on 2 cores; not in .ci/run).
+test-loaded: $(STAMP)
+	bash ci/loaded
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
