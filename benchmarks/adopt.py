@@ -164,25 +164,27 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._spawn_processes()
-
-
+"""
+# The selection, in a conftest: the class's setUp refers to test methods by name.
+DISTRIBUTED_CONFTEST = """
 SELECTED = {selected!r}
-for _name in dir(TestDistBackendWithSpawn):  # the selection: the others are not collected
-    if _name.startswith("test_") and _name[5:] not in SELECTED:
-        setattr(TestDistBackendWithSpawn, _name, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = [item for item in items if item.name.removeprefix("test_") in SELECTED]
 """
 
 
 def distributed_test() -> list[str]:
     """torch's DistributedTest selection, whole file, as it is and adopted."""
-    source = DISTRIBUTED_SOURCE.format(selected=set(DISTRIBUTED_SELECTION))
+    conftest = DISTRIBUTED_CONFTEST.format(selected=set(DISTRIBUTED_SELECTION))
     runs = {}
     for name, args in (
         ("as_is", ["-p", "no:harness"]),
         ("adopted", ["-p", "harness", "--rank-adopt", "torch"]),
     ):
         start = time.perf_counter()
-        found = run_pytest(source, [*args, "-W", "ignore"])
+        found = run_pytest(DISTRIBUTED_SOURCE, [*args, "-W", "ignore"], conftest=conftest)
         runs[name] = (time.perf_counter() - start, found)
     (wall_before, before), (wall_after, after) = runs["as_is"], runs["adopted"]
     same = before["outcomes"] == after["outcomes"] and len(before["outcomes"]) == len(

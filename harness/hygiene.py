@@ -33,8 +33,10 @@ class Snapshot:
 
 
 # A non-daemon thread the body started may take this long to end before it counts as left
-# running (a process's exit would wait for it: a flush, a last log line).
-THREAD_END_WAIT_S = 1.0
+# running (a process's exit would wait for it: a flush, a last log line). A safety net, not
+# a guess: one that is merely slow (a busy machine) ends well within it; only a thread that
+# never ends waits it out.
+THREAD_END_WAIT_S = 5.0
 HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never the test's
 
 

@@ -51,7 +51,7 @@ def _loader_failing_on_rank_1(settings: dict[str, Any], rank: int, world: int) -
         yield batch
 
 
-@pytest.mark.ranks(4, timeout=30)
+@pytest.mark.ranks(4, timeout=120)
 @pytest.mark.expect(
     rank=1,
     does=raises(OSError, match="shard 1 is unreadable"),
@@ -73,7 +73,7 @@ def _loader_exiting_on_rank_2(settings: dict[str, Any], rank: int, world: int) -
         yield batch
 
 
-@pytest.mark.ranks(4, timeout=30)
+@pytest.mark.ranks(4, timeout=120)
 @pytest.mark.expect(exits(3))  # the exit happens inside all_reduce: every rank exits with it
 def test_a_system_exit_on_one_rank_exits_every_rank(
     settings_file: Path, shared_tmp_path: Path
@@ -84,7 +84,7 @@ def test_a_system_exit_on_one_rank_exits_every_rank(
         )
 
 
-@pytest.mark.ranks(4, timeout=30)
+@pytest.mark.ranks(4, timeout=120)
 @pytest.mark.fault(rank=2, kind="signal", signal="SIGKILL", at="all_reduce:load_batch", nth=3)
 @pytest.mark.expect(
     {

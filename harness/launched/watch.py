@@ -64,15 +64,17 @@ class Where:
                 points.remove_observer(self.observe)
 
 
-class HangTimer:
-    """Fires at a test's deadline on this rank and hands the hang to the session's Watch."""
+class _Timer:
+    """A thread that calls `expired` once `timeout_s` pass before the block it bounds ends."""
 
-    def __init__(self, watch: Watch, key: str, timeout_s: float, where: Where) -> None:
-        self._watch, self._key, self._timeout_s, self._where = watch, key, timeout_s, where
+    name = "harness-timer"
+
+    def __init__(self, watch: Watch, key: str, timeout_s: float) -> None:
+        self._watch, self._key, self._timeout_s = watch, key, timeout_s
         self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="harness-hang-timer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
-    def __enter__(self) -> HangTimer:
+    def __enter__(self) -> _Timer:
         self._thread.start()
         return self
 
@@ -81,10 +83,26 @@ class HangTimer:
 
     def _run(self) -> None:
         if not self._finished.wait(self._timeout_s):
-            self._watch.hung(self._key, self._timeout_s, " > ".join(self._where.stack))
+            self.expired()
+
+    def expired(self) -> None:
+        raise NotImplementedError
 
 
-class FixtureTimer:
+class HangTimer(_Timer):
+    """Fires at a test's deadline on this rank and hands the hang to the session's Watch."""
+
+    name = "harness-hang-timer"
+
+    def __init__(self, watch: Watch, key: str, timeout_s: float, where: Where) -> None:
+        super().__init__(watch, key, timeout_s)
+        self._where = where
+
+    def expired(self) -> None:
+        self._watch.hung(self._key, self._timeout_s, " > ".join(self._where.stack))
+
+
+class FixtureTimer(_Timer):
     """pytest-timeout's bound for a test's fixtures on a launched rank (set-up or teardown).
 
     pytest-timeout's SIGALRM handler runs only once the main thread is back in Python: a
@@ -94,20 +112,14 @@ class FixtureTimer:
     in-process rank cannot be replaced); anywhere else pytest-timeout acts as it does.
     """
 
+    name = "harness-fixture-timer"
+
     def __init__(self, watch: Watch, key: str, timeout_s: float, phase: str) -> None:
-        self._watch, self._key, self._timeout_s, self._phase = watch, key, timeout_s, phase
-        self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="harness-fixture-timer", daemon=True)
+        super().__init__(watch, key, timeout_s)
+        self._phase = phase
 
-    def __enter__(self) -> FixtureTimer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._finished.set()
-
-    def _run(self) -> None:
-        if self._finished.wait(self._timeout_s) or not main_thread_in_torch_distributed():
+    def expired(self) -> None:
+        if not main_thread_in_torch_distributed():
             return
         note = (
             f"still running at pytest-timeout's bound ({self._timeout_s:g} s), in the "

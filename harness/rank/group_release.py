@@ -65,6 +65,8 @@ def watch_made_groups() -> None:
 
 def made_alive() -> bool:
     """Whether a group made since the test began is still alive (or not yet freed)."""
+    if _made:
+        _release_what_torch_holds()
     return len(_made) > 0
 
 
@@ -118,8 +120,19 @@ def still_held(bound_s: float, strict: bool = False) -> bool:
                 return strict
     if not _any_alive():
         return False
+    _release_what_torch_holds()
     gc.collect()  # tenths of a second with torch loaded: only for a group still alive
     return _any_alive()
+
+
+def _release_what_torch_holds() -> None:
+    """torch's DTensor caches and group.WORLD defaults keep a torn-down group (see
+    torch_holders.py); asked only once a group is found alive, where the rank would
+    otherwise end (emptying them after every test broke unwaited functional collectives)."""
+    from harness.rank import torch_holders
+
+    with contextlib.suppress(Exception):
+        torch_holders.release()
 
 
 def _any_alive() -> bool:

@@ -64,7 +64,14 @@ from harness.protocol import (
     decode_args,
     encode_where,
 )
-from harness.rank import group_release, kept_group, logs, raw_threads, state, stdin
+from harness.rank import (
+    group_release,
+    kept_group,
+    logs,
+    raw_threads,
+    state,
+    stdin,
+)
 from harness.rank.fixtures import RankFixtures
 from harness.rank.private_store import PrivateStore
 from harness.torchrun_env import torchrun_env
@@ -295,6 +302,13 @@ def _serve(task: RunTask) -> RankOutcome:
     return outcome
 
 
+def _rpc_was_initialized() -> bool:
+    """Whether torch.distributed.rpc was ever set up in this process (init_rpc records the
+    workers' names; shutdown leaves them)."""
+    api = sys.modules.get("torch.distributed.rpc.api")
+    return bool(getattr(api, "_ALL_WORKER_NAMES", None))
+
+
 def _function_modes() -> int:
     """How many torch function modes are entered (`with torch.device(...)` is one)."""
     return int(torch._C._len_torch_function_stack())
@@ -413,6 +427,12 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
             outcome.replace_after = (
                 f"left daemon threads running ({', '.join(daemons)}); the ranks are replaced "
                 f"for the next test"
+            )
+        if not outcome.replace_after and _rpc_was_initialized():
+            outcome.replace_after = (
+                "set torch.distributed.rpc up (its RRef context keeps the first agent for the "
+                "process's life: RPC cannot be set up again in it); the ranks are replaced for "
+                "the next test"
             )
         kept_ok = not (outcome.leftovers or outcome.replace_after)
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:

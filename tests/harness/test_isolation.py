@@ -247,3 +247,32 @@ def test_state_a_test_leaves_is_restored_or_caught_and_the_next_is_unharmed(
             "*hygiene: rank ? left a DeviceMesh entered*",
         ]
     )
+
+
+RPC_TWICE = """
+import os, pytest, torch
+import torch.distributed.rpc as rpc
+
+
+def _add(a, b):
+    return a + b
+
+
+@pytest.mark.ranks(2, launch=True)
+@pytest.mark.parametrize("round", [0, 1])
+def test_rrefs(rank, round):
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    ref = rpc.remote(f"worker{1 - rank}", _add, args=(torch.ones(1), 1))
+    assert ref.to_here().item() == 2.0
+    rpc.shutdown()
+"""
+
+
+@pytest.mark.isolation
+def test_a_test_that_set_rpc_up_gets_its_ranks_replaced(pytester: pytest.Pytester) -> None:
+    """torch's RRef context keeps the first RPC agent for the process's life: on warm ranks
+    the second test's RRefs went to a dead agent ("RPC is no longer running", a 60 s
+    timeout), and adopted RPC suites failed 13 of 19 tests."""
+    pytester.makepyfile(test_rpc=RPC_TWICE)
+    result = pytester.runpytest_subprocess("-p", "harness", "-W", "ignore", "--rank-timeout", "60")
+    result.assert_outcomes(passed=2)

@@ -425,7 +425,7 @@ def test_d_kept(rank):
     assert same(SEEN[-1], SEEN[-2])
 """
     )
-    inner.runpytest("-p", "harness", "--rank-timeout", "10").assert_outcomes(passed=4)
+    inner.runpytest("-p", "harness", "--rank-timeout", "120").assert_outcomes(passed=4)
 
 
 def test_a_coalescing_block_left_by_an_error_gets_a_fresh_group(inner: pytest.Pytester) -> None:

@@ -180,13 +180,7 @@ def test_something(rank):
     pass
 """
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _pytest_in_a_process(pytester)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     server = int((pytester.path / "forkserver.pid").read_text())
     tracker = int((pytester.path / "tracker.pid").read_text())
@@ -227,16 +221,21 @@ def test_dies_leaving_a_child(rank):
         os._exit(3)
 """
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _pytest_in_a_process(pytester)
     pids = _children(pytester.path)
     try:
         assert proc.returncode == 1 and len(pids) == 1, proc.stdout + proc.stderr
         assert_all_gone(pids)
     finally:
         kill_quietly(pids)
+
+
+def _pytest_in_a_process(pytester: pytest.Pytester) -> subprocess.CompletedProcess[str]:
+    """A whole pytest session over `pytester`'s files, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

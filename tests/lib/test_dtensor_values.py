@@ -17,11 +17,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-# An FSDP2 model's device mesh sometimes still holds a torn-down group after the test on
-# one rank: the harness replaces that rank and says so (RanksReplacedWarning); what holds
-# it is issue 34's to release. The verdicts do not depend on it.
-pytestmark = pytest.mark.filterwarnings("ignore::harness.RanksReplacedWarning")
-
 
 def _mesh(world_size: int) -> Any:
     return init_device_mesh("cpu", (world_size,))

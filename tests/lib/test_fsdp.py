@@ -17,11 +17,6 @@ from tests.lib.tiny_models import ARCHITECTURES, build, tokens
 
 # fp32 models: the sharded forward and step are the same computation, up to summation order.
 
-# An FSDP2 model's device mesh sometimes still holds a torn-down group after the test on
-# one rank: the harness replaces that rank and says so (RanksReplacedWarning); what holds
-# it is issue 34's to release. The verdicts do not depend on it.
-pytestmark = pytest.mark.filterwarnings("ignore::harness.RanksReplacedWarning")
-
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
