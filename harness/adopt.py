@@ -341,22 +341,13 @@ def _run_and_judge(
             outcomes = ranks.on_warm_ranks(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
-    _attach_import_output(item, case, loads)
+    # What the ranks printed while importing the module: on the first test that loaded it.
+    runner.attach_output(item, loads, during=f"importing {case.module}")
     rank_warnings.reemit(outcomes)
     runner.warn_of_replaced_ranks(item, outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
     judge_adopted(item, spec, outcomes)
-
-
-def _attach_import_output(item: pytest.Item, case: Target, loads: list[RankOutcome]) -> None:
-    """What the ranks printed while importing the test's module (a library's load warnings),
-    on the first test that loaded it there, as a plain run shows it in each test's output."""
-    for o in loads:
-        for stream, text in (("stdout", o.stdout), ("stderr", o.stderr)):
-            if text:
-                title = f"{stream} [rank {o.rank}] importing {case.module}"
-                item.add_report_section("call", title, text)
 
 
 def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutcome]:

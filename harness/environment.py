@@ -137,34 +137,33 @@ def changed_natively(before: dict[bytes, bytes], skip: tuple[str, ...] = ()) -> 
     """The variables whose value in the C library's environment differs from `before`, but
     not in os.environ's (set or unset by os.putenv/os.unsetenv or native code); names
     starting with one of `skip` are not counted."""
-    now = native()
-    python_view = _as_bytes()
-    names = []
-    for key in before.keys() | now.keys():
-        value = now.get(key)
-        if value == before.get(key) or python_view.get(key) == value:
-            continue
-        name = key.decode(errors="replace")
-        if not name.startswith(skip):
-            names.append(name)
-    return sorted(names)
+    return sorted(k.decode(errors="replace") for k in _changed_natively(before, skip))
 
 
 def restore_native(before: dict[bytes, bytes], skip: tuple[str, ...] = ()) -> None:
     """Set the C library's environment back to `before` where it differs and os.environ does
     not say otherwise (names starting with one of `skip` are left as they are)."""
-    now = native()
-    python_view = _as_bytes()
-    for key in before.keys() | now.keys():
-        value = before.get(key)
-        if now.get(key) == value or python_view.get(key) == now.get(key):
-            continue
-        if key.decode(errors="replace").startswith(skip):
-            continue
+    for key, value in _changed_natively(before, skip).items():
         if value is None:
             os.unsetenv(key)
         else:
             os.putenv(key, value)
+
+
+def _changed_natively(
+    before: dict[bytes, bytes], skip: tuple[str, ...]
+) -> dict[bytes, bytes | None]:
+    """Each variable changed outside os.environ since `before`, with its value then (None:
+    it was not set); names starting with one of `skip` left out."""
+    now, python_view = native(), _as_bytes()
+    changed: dict[bytes, bytes | None] = {}
+    for key in before.keys() | now.keys():
+        value = now.get(key)
+        if value == before.get(key) or python_view.get(key) == value:
+            continue
+        if not key.decode(errors="replace").startswith(skip):
+            changed[key] = before.get(key)
+    return changed
 
 
 def _as_bytes() -> dict[bytes, bytes]:

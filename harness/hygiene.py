@@ -77,7 +77,7 @@ def findings(
             thread.join(max(0.0, deadline - time.monotonic()))
         names = [t.name for t in started if t.is_alive()]
         said = [f"left non-daemon threads running: {', '.join(sorted(names))}; join them"]
-        said = said[:1] if names else []
+        said = said if names else []
         raw = _raw_threads_left(before, raw_threads or [])
         if raw:
             said.append(raw)
@@ -100,8 +100,12 @@ def findings(
                 f"changed environment variables {', '.join(changed)}; restore them, or use "
                 f"the monkeypatch fixture, which undoes itself"
             )
-    natively = environment.changed_natively(before.native_env, LIBRARY_MANAGED)
-    if "env" in checks and natively:
+    natively = (
+        environment.changed_natively(before.native_env, LIBRARY_MANAGED)
+        if ("env" in checks)
+        else []
+    )
+    if natively:
         earlier = found.get("env", "")
         found["env"] = (earlier + "; " if earlier else "") + (
             f"changed environment variables {', '.join(natively)} outside os.environ "

@@ -48,7 +48,7 @@ from harness.protocol import (
     StartMethod,
     Target,
     decode_collectives,
-    decode_issued,
+    decode_counts,
     decode_where,
 )
 from harness.stacks import dump_stacks
@@ -141,11 +141,11 @@ class _Slot:
         """Both streams, for a rank that could not start."""
         return tail(self.files.stdout) + tail(self.files.stderr)
 
-    def board(self) -> bytes:
-        """The rank's operations board (see protocol.ISSUED_SIZE), read from shared memory;
-        empty until the rank has made it."""
+    def board(self, size: int = ISSUED_SIZE) -> bytes:
+        """The first `size` bytes of the rank's operations board (see protocol.ISSUED_SIZE),
+        read from shared memory; empty until the rank has made it."""
         found = self._mapped_board()
-        return b"" if found is None else found[:ISSUED_SIZE]
+        return b"" if found is None else found[:size]
 
     def clear_board(self) -> None:
         """Zero the counts before a run, so that no count of the last run is read as this
@@ -165,7 +165,11 @@ class _Slot:
 
     def read_issued(self) -> int:
         """Operations this rank issued on its group in the current test."""
-        return decode_issued(self.board()[:COUNT_SIZE])
+        return decode_counts(self.board(2 * COUNT_SIZE))[0]
+
+    def collectives_called(self) -> int:
+        """Of them, the collectives."""
+        return decode_counts(self.board(2 * COUNT_SIZE))[1]
 
     def read_collectives(self) -> tuple[int, dict[int, str]]:
         """The collectives this rank called on its group in the current test: how many, and
@@ -525,9 +529,15 @@ class _Run:
         harness's group (its kept groups and collectives are watched)."""
         # On the harness's group, the ranks' collectives are compared as they go: a rank
         # blocked in one its peers called differently gives no other sign.
-        harness_group = not self.tasks[0].spec.bare and self.tasks[0].launch_port is None
         cuttable = self.tasks[0].spec.bare  # a run without a group (harness.spawn's may be cut)
-        return LIVE_POLL_S if self._live.enabled or harness_group or cuttable else float("inf")
+        watched = self._live.enabled or self._on_harness_group or cuttable
+        return LIVE_POLL_S if watched else float("inf")
+
+    @property
+    def _on_harness_group(self) -> bool:
+        """Whether the run is on a group the harness sets up (not the test's own: bare or
+        launch mode), whose operations the ranks count on their boards."""
+        return not self.tasks[0].spec.bare and self.tasks[0].launch_port is None
 
     def _drop_kept_groups_if_peers_lag(self) -> None:
         """Returned ranks give their kept group up once a peer failed, or once a peer still
@@ -563,12 +573,11 @@ class _Run:
 
     def _mismatch(self) -> collective_match.Mismatch | None:
         """The first collective the ranks called differently on the harness's group."""
-        spec = self.tasks[0].spec
-        if not spec.collective_check or spec.bare or self.tasks[0].launch_port is not None:
+        if not self.tasks[0].spec.collective_check or not self._on_harness_group:
             return None  # turned off, or the test's own group: not counted
         if self._mismatch_found is not None:
             return self._mismatch_found
-        reached = min(_collectives_called(s.board()) for s in self.slots)
+        reached = min(s.collectives_called() for s in self.slots)
         if reached <= self._compared:  # what every rank has called, compared already
             return None
         boards = {s.rank: s.read_collectives() for s in self.slots}
@@ -679,10 +688,6 @@ class _Run:
             else:
                 outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
             self.outcomes[slot.rank] = outcome
-
-
-def _collectives_called(board: bytes) -> int:
-    return decode_issued(board[COUNT_SIZE : 2 * COUNT_SIZE])
 
 
 _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)

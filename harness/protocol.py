@@ -339,17 +339,18 @@ COLLECTIVES_KEPT = 32
 ISSUED_SIZE = 2 * COUNT_SIZE + COLLECTIVES_KEPT * FINGERPRINT_SIZE
 
 
-def decode_issued(raw: bytes) -> int:
-    """The count of operations a rank issued on its group in the current test (0 if the
-    board is not written yet)."""
-    return int.from_bytes(raw[:COUNT_SIZE].ljust(COUNT_SIZE, b"\0"), "little")
+def decode_counts(raw: bytes) -> tuple[int, int]:
+    """The operations a rank issued on its group in the current test, and how many of them
+    were collectives (0s where the board is not written yet)."""
+    raw = raw[: 2 * COUNT_SIZE].ljust(2 * COUNT_SIZE, b"\0")
+    return int.from_bytes(raw[:COUNT_SIZE], "little"), int.from_bytes(raw[COUNT_SIZE:], "little")
 
 
 def decode_collectives(raw: bytes) -> tuple[int, dict[int, str]]:
     """How many collectives a rank called on its group in the current test, and the
     fingerprints of the last ones it kept, by their index (0 for its first)."""
     raw = raw.ljust(ISSUED_SIZE, b"\0")
-    count = int.from_bytes(raw[COUNT_SIZE : 2 * COUNT_SIZE], "little")
+    count = decode_counts(raw)[1]
     kept = {}
     for index in range(max(0, count - COLLECTIVES_KEPT), count):
         at = 2 * COUNT_SIZE + (index % COLLECTIVES_KEPT) * FINGERPRINT_SIZE

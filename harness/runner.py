@@ -141,13 +141,15 @@ def _fixture_faults(item: pytest.Function) -> Any:
     return [] if only_ours else item._request.getfixturevalue("rank_faults")
 
 
-def attach_output(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
+def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = "") -> None:
     """Every rank's output and log on the report, one section per rank and stream, as pytest
-    keeps a plain test's (-rP, -rA, junit xml), passing or not."""
+    keeps a plain test's (-rP, -rA, junit xml), passing or not; `during` names a phase other
+    than the test's own in the sections' titles."""
     for o in outcomes:
         for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
             if text:
-                item.add_report_section("call", f"{stream} [rank {o.rank}]", text)
+                title = f"{stream} [rank {o.rank}]{f' {during}' if during else ''}"
+                item.add_report_section("call", title, text)
 
 
 def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:

@@ -35,8 +35,11 @@ class _FakeSlot:
     def read_where(self) -> str:
         return ""
 
-    def board(self) -> bytes:  # no operations board: no collective seen
+    def board(self, size: int = 0) -> bytes:  # no operations board: no collective seen
         return b""
+
+    def collectives_called(self) -> int:
+        return 0
 
     def clear_board(self) -> None:
         pass
