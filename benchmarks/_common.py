@@ -51,7 +51,7 @@ def machine() -> str:
 
 # A conftest that records each test's wall time (setup + call + teardown), its outcome and,
 # for a failure, the one-line message pytest shows for it.
-_TIMING_CONFTEST = """
+TIMING_CONFTEST = """
 import json, os, time, pytest
 
 _times, _outcomes, _messages = {}, {}, {}
@@ -84,7 +84,7 @@ def run_pytest(
     """
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         folder = Path(tmp)
-        (folder / "conftest.py").write_text(_TIMING_CONFTEST + textwrap.dedent(conftest))
+        (folder / "conftest.py").write_text(TIMING_CONFTEST + textwrap.dedent(conftest))
         (folder / "test_bench.py").write_text(textwrap.dedent(test_source))
         times = folder / "times.json"
         env = {**os.environ, "BENCH_TIMES": str(times), "PYTHONDONTWRITEBYTECODE": "1"}

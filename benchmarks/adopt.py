@@ -4,15 +4,31 @@ The suite (2 ranks, gloo, a FileStore group at ``self.file_name`` as torch's own
 mixes passes, skips by torch's exit statuses, ``self.skipTest`` and ``unittest.skip``, and two
 tests that pass under torch only because torch checks rank 0's exit status alone. Both runs
 must give the same verdicts except those false greens, which the adoption turns red.
+
+``--suite`` also runs torch's own suites, shipped in its wheel, each as one whole file:
+DistributedTest, the RPC suites (TensorPipe agent) and DDP under dist autograd.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from benchmarks._common import run_pytest
+from benchmarks._common import TIMING_CONFTEST, run_pytest
 
 PASSING = 24
 WORLD_SIZE = 2
@@ -178,37 +194,231 @@ def pytest_collection_modifyitems(config, items):
 def distributed_test() -> list[str]:
     """torch's DistributedTest selection, whole file, as it is and adopted."""
     conftest = DISTRIBUTED_CONFTEST.format(selected=set(DISTRIBUTED_SELECTION))
-    runs = {}
-    for name, args in (
-        ("as_is", ["-p", "no:harness"]),
-        ("adopted", ["-p", "harness", "--rank-adopt", "torch"]),
-    ):
-        start = time.perf_counter()
-        found = run_pytest(DISTRIBUTED_SOURCE, [*args, "-W", "ignore"], conftest=conftest)
-        runs[name] = (time.perf_counter() - start, found)
-    (wall_before, before), (wall_after, after) = runs["as_is"], runs["adopted"]
-    same = before["outcomes"] == after["outcomes"] and len(before["outcomes"]) == len(
-        DISTRIBUTED_SELECTION
+    title = f"torch's DistributedTest ({len(DISTRIBUTED_SELECTION)} tests, 2 ranks, gloo)"
+    return whole_file(
+        title, DISTRIBUTED_SOURCE, conftest, len(DISTRIBUTED_SELECTION), DISTRIBUTED_TARGET
     )
-    ratio = wall_before / wall_after if wall_after else 0.0
-    median_before = statistics.median(before["times"].values()) if before["times"] else 0.0
-    median_after = statistics.median(after["times"].values()) if after["times"] else 0.0
+
+
+# torch's RPC suites, generated as PyTorch's test/distributed/rpc/test_tensorpipe_agent.py
+# generates them (each class mixed with the TensorPipe fixture and the spawning base).
+RPC_SOURCE = """
+from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
+    TensorPipeRpcAgentTestFixture,
+)
+from torch.testing._internal.distributed.rpc_utils import (
+    GENERIC_TESTS, TENSORPIPE_TESTS, generate_tests,
+)
+
+globals().update(
+    generate_tests(
+        "TensorPipe", TensorPipeRpcAgentTestFixture, GENERIC_TESTS + TENSORPIPE_TESTS, __name__
+    )
+)
+"""
+# Fast CPU tests (RPC, RRefs, dist autograd, 4 ranks), by class: names repeat across classes.
+RPC_SELECTION = (
+    "RpcTest.self_add", "RpcTest.send_to_rank", "RpcTest.add", "RpcTest.add_with_id",
+    "RpcTest.scalar_add", "RpcTest.async_add", "RpcTest.nonzero", "RpcTest.multi_rpc",
+    "RpcTest.py_built_in", "RpcTest.py_user_defined", "RpcTest.rpc_return_rref",
+    "RpcTest.rref_forward_chain", "RpcTest.local_rref_no_fork",
+    "RpcTest.profiler_rpc_key_names",  # unittest.skipIf(IS_LINUX)
+    "DistAutogradTest.autograd_context", "DistAutogradTest.graph_for_builtin_call",
+    "DistAutogradTest.backward_simple", "DistAutogradTest.context_cleanup_tensor_with_grad",
+    "TensorPipeAgentRpcTest.infer_backend_from_options",
+    # skip_if_lt_x_gpu(2): a skip by the ranks' exit status on CPU
+    "TensorPipeAgentRpcTest.dynamic_rpc_existing_rank_can_communicate_with_new_rank_cuda",
+)  # fmt: skip
+RPC_TARGET = 3.0
+# generate_tests names each class "TensorPipe" + the suite's class.
+CLASS_CONFTEST = """
+SELECTED = {selected!r}
+
+
+def pytest_collection_modifyitems(config, items):
+    def key(item):
+        suite = item.cls.__name__.removeprefix("TensorPipe") if item.cls else ""
+        return f"{{suite}}.{{item.name.removeprefix('test_')}}"
+
+    items[:] = [item for item in items if key(item) in SELECTED]
+"""
+
+
+def rpc_suite() -> list[str]:
+    """torch's RPC suites (TensorPipe agent), a CPU selection, as it is and adopted."""
+    conftest = CLASS_CONFTEST.format(selected=set(RPC_SELECTION))
+    title = f"torch's RPC suites ({len(RPC_SELECTION)} tests, TensorPipe agent, 4 ranks)"
+    return whole_file(title, RPC_SOURCE, conftest, len(RPC_SELECTION), RPC_TARGET)
+
+
+# DDP under dist autograd, generated as test_tensorpipe_agent.py generates these two classes
+# of GENERIC_TESTS: the classes need an agent's fixture, which only the generated ones get.
+DDP_SOURCE = """
+from torch.testing._internal.distributed.ddp_under_dist_autograd_test import (
+    DdpComparisonTest, DdpUnderDistAutogradTest,
+)
+from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
+    TensorPipeRpcAgentTestFixture,
+)
+from torch.testing._internal.distributed.rpc_utils import generate_tests
+
+globals().update(
+    generate_tests(
+        "TensorPipe",
+        TensorPipeRpcAgentTestFixture,
+        [DdpUnderDistAutogradTest, DdpComparisonTest],
+        __name__,
+    )
+)
+"""
+DDP_TESTS = 8  # every test of both classes; all CPU (gloo)
+DDP_TARGET = 3.0
+
+
+def ddp_under_dist_autograd() -> list[str]:
+    """torch's DdpUnderDistAutogradTest and DdpComparisonTest, as it is and adopted."""
+    title = f"torch's DDP under dist autograd ({DDP_TESTS} tests, 4 and 2 ranks)"
+    return whole_file(title, DDP_SOURCE, "", DDP_TESTS, DDP_TARGET)
+
+
+# ---- one test file, as it is and adopted --------------------------------------------------
+
+FILE_TIMEOUT_S = 900.0
+# How long a run may take to exit after its summary before it counts as hung and is killed
+# (torch's RPC suites, as they are, were reported hanging there until killed).
+EXIT_GRACE_S = 60.0
+AS_IS = ("-p", "no:harness", "-W", "ignore")
+# torch's suites warn a lot; the harness's replacement warnings are kept for the report.
+ADOPTED = ("-p", "harness", "--rank-adopt", "torch", "-W", "ignore")
+ADOPTED_WARNINGS = ("-W", "always::harness.RanksReplacedWarning")
+
+
+@dataclass(frozen=True)
+class FileRun:
+    """One pytest process on a test file: what the timing conftest found and how it ended."""
+
+    found: dict[str, Any]  # run_pytest's times, outcomes and messages
+    summary_s: float  # from the start to the session's end (its summary)
+    exit_s: float  # from the start to the process's exit, or to its kill
+    hung: bool  # still running EXIT_GRACE_S after its summary, or past FILE_TIMEOUT_S
+    summarised: bool  # the session ended (a hung run's verdicts still stand)
+    output: str
+
+    def ending(self) -> str:
+        after = self.exit_s - self.summary_s
+        if not self.summarised:
+            return f"no summary: {'killed' if self.hung else 'ended'} after {self.exit_s:.0f} s"
+        if self.hung:
+            return f"hung at exit, killed after {after:.0f} s"
+        return "exited at once" if after < 2 else f"exited {after:.0f} s after its summary"
+
+
+def run_file(source: str, args: list[str], conftest: str) -> FileRun:
+    """run_pytest, but a process that hangs after its summary is killed and reported, not
+    raised: the summary's verdicts stand."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        folder = Path(tmp)
+        (folder / "conftest.py").write_text(TIMING_CONFTEST + textwrap.dedent(conftest))
+        (folder / "test_bench.py").write_text(textwrap.dedent(source))
+        times, log = folder / "times.json", folder / "output.txt"
+        env = {**os.environ, "BENCH_TIMES": str(times), "PYTHONDONTWRITEBYTECODE": "1"}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, tmp]
+        with log.open("w") as out:
+            start = time.perf_counter()
+            # A session of its own: a kill reaches the ranks it spawned too.
+            proc = subprocess.Popen(
+                command, cwd=folder, env=env, stdout=out, stderr=out, start_new_session=True
+            )
+            summary_s = _until_summary(proc, times, start)
+            hung = _ended_or_killed(proc, max(0.0, FILE_TIMEOUT_S - summary_s))
+            exit_s = time.perf_counter() - start
+        summarised = times.exists()
+        found = json.loads(times.read_text()) if summarised else {}
+        empty: dict[str, Any] = {"times": {}, "outcomes": {}, "messages": {}}
+        return FileRun({**empty, **found}, summary_s, exit_s, hung, summarised, log.read_text())
+
+
+def _until_summary(proc: subprocess.Popen[bytes], times: Path, start: float) -> float:
+    """Seconds until the timing conftest wrote its file (the session ended) or `proc` ended."""
+    while not times.exists() and proc.poll() is None:
+        if time.perf_counter() - start > FILE_TIMEOUT_S:
+            break
+        time.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def _ended_or_killed(proc: subprocess.Popen[bytes], left_s: float) -> bool:
+    """Wait for `proc` to exit; True when it had to be killed."""
+    try:
+        proc.wait(timeout=min(EXIT_GRACE_S, left_s))
+        return False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+
+
+def replaced_ranks(output: str) -> str:
+    """'N (reason: count, ...)' from the RanksReplacedWarnings in a run's warnings summary."""
+    reasons: Counter[str] = Counter()
+    tests = 0
+    for line in output.splitlines():
+        _, found, message = line.partition("RanksReplacedWarning: ")
+        if not found:
+            continue
+        tests += 1
+        # Each rank's reason reads "rank N <why> (<details>); the ranks are replaced ...".
+        reasons.update(set(re.findall(r"rank \d+ ([^(;]+?)(?: \(|;|$)", message)))
+    listed = ", ".join(f"{why}: {n}" for why, n in reasons.most_common())
+    return f"{tests} ({listed})" if tests else "none"
+
+
+def whole_file(title: str, source: str, conftest: str, tests: int, target: float) -> list[str]:
+    """The markdown section for one test file run as it is and adopted, one after the other."""
+    before = run_file(source, list(AS_IS), conftest)
+    after = run_file(source, [*ADOPTED, *ADOPTED_WARNINGS], conftest)
+    outcomes_before, outcomes_after = before.found["outcomes"], after.found["outcomes"]
+    same = outcomes_before == outcomes_after and len(outcomes_before) == tests
+    ratio = before.summary_s / after.summary_s if after.summary_s else 0.0
     return [
-        f"## torch's DistributedTest ({len(DISTRIBUTED_SELECTION)} tests, 2 ranks, gloo), "
-        f"whole file",
+        f"## {title}, whole file",
         "",
-        "| run | whole file (pytest's start included) | median test | verdicts |",
-        "|---|---|---|---|",
-        f"| as it is | {wall_before:.1f} s | {median_before * 1e3:.0f} ms | "
-        f"{_counts(before['outcomes'])} |",
-        f"| --rank-adopt torch | {wall_after:.1f} s | {median_after * 1e3:.0f} ms | "
-        f"{_counts(after['outcomes'])} |",
+        "| run | to its summary (pytest's start included) | to its exit | median test | verdicts |",
+        "|---|---|---|---|---|",
+        _row("as it is", before),
+        _row("--rank-adopt torch", after),
         "",
+        f"- as it is: {before.ending()}; adopted: {after.ending()}",
         f"- {'HOLDS' if same else 'MISSED'}: the same verdicts",
-        f"- {'HOLDS' if ratio >= DISTRIBUTED_TARGET else 'MISSED'}: at least "
-        f"{DISTRIBUTED_TARGET:.0f}x faster over the whole file ({ratio:.1f}x)",
+        *_differences(before, after),
+        f"- {'HOLDS' if ratio >= target else 'MISSED'}: at least {target:.0f}x faster over "
+        f"the whole file, to its summary ({ratio:.1f}x)",
+        f"- replaced ranks: {replaced_ranks(after.output)}",
         "",
     ]
+
+
+def _row(name: str, run: FileRun) -> str:
+    times = run.found["times"]
+    median = statistics.median(times.values()) if times else 0.0
+    return (
+        f"| {name} | {run.summary_s:.1f} s | {run.exit_s:.1f} s | {median * 1e3:.0f} ms "
+        f"| {_counts(run.found['outcomes'])} |"
+    )
+
+
+def _differences(before: FileRun, after: FileRun) -> list[str]:
+    """One line per test whose verdict differs, with the adopted run's failure message."""
+    was, now = before.found["outcomes"], after.found["outcomes"]
+    lines = []
+    for nodeid in sorted(set(was) | set(now)):
+        if was.get(nodeid) != now.get(nodeid):
+            message = after.found["messages"].get(nodeid, "")
+            lines.append(
+                f"  - {_short(nodeid)}: {was.get(nodeid, 'not run')} as it is, "
+                f"{now.get(nodeid, 'not run')} adopted{': ' + message if message else ''}"
+            )
+    return lines
 
 
 def _counts(outcomes: dict[str, str]) -> str:
@@ -216,5 +426,22 @@ def _counts(outcomes: dict[str, str]) -> str:
     return ", ".join(f"{values.count(o)} {o}" for o in ("passed", "failed", "skipped"))
 
 
+SUITES: dict[str, Callable[[], list[str]]] = {
+    "synth": main,
+    "distributed": distributed_test,
+    "rpc": rpc_suite,
+    "ddp": ddp_under_dist_autograd,
+}
+
+
+def _cli() -> None:
+    parser = argparse.ArgumentParser(description="existing suites, as they are and adopted")
+    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    chosen = parser.parse_args().suite
+    for name, suite in SUITES.items():
+        if chosen in (name, "all"):
+            print("\n".join(suite()), flush=True)
+
+
 if __name__ == "__main__":
-    print("\n".join(main() + distributed_test()))
+    _cli()

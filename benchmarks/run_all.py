@@ -12,6 +12,7 @@ from benchmarks import (
     compute,
     harness_overhead,
     plots,
+    preload,
     private_store,
     signing,
     suite,
@@ -64,6 +65,8 @@ def main() -> int:
     lines += signing.main()
     print("measuring the ranks' private store against a TCPStore...", flush=True)
     lines += ["", "## The ranks' private store", "", *private_store.main()]
+    print("measuring rank starts with the tests' imports preloaded...", flush=True)
+    lines += ["", "## Ranks started with the tests' imports loaded", "", *preload.main()]
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")
     _write(lines)
     print("\n".join(lines))

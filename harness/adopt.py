@@ -342,6 +342,7 @@ def _run_and_judge(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
     # What the ranks printed while importing the module: on the first test that loaded it.
+    runner.attach_preload_output(item)
     runner.attach_output(item, loads, during=f"importing {case.module}")
     rank_warnings.reemit(outcomes)
     runner.warn_of_replaced_ranks(item, outcomes)

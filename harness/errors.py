@@ -6,6 +6,8 @@ markers, faults, expected outcomes and hygiene, so every message reads the same 
 
 from __future__ import annotations
 
+from _pytest.outcomes import Failed
+
 
 class SpecError(ValueError):
     """A declaration (option, marker, fault, expectation) that cannot be carried out."""
@@ -14,3 +16,10 @@ class SpecError(ValueError):
 def invalid(what: str, value: object, origin: str, fix: str) -> str:
     """'invalid <what> <value> from <origin>: <fix>'."""
     return f"invalid {what} {value!r} from {origin}: {fix}"
+
+
+class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone
+    """The harness itself could not run the test: reported as an error, not a failure."""
+
+    def __init__(self, msg: str, pytrace: bool = False) -> None:
+        super().__init__(msg, pytrace=pytrace)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, ranks, runner, settings
-from harness.errors import SpecError
+from harness import made_in_ranks, packing, preload, ranks, runner, settings
+from harness.errors import HarnessError, SpecError
 from harness.faults import Fault
 from harness.protocol import RankSpec
 from harness.ranks import ranks_of
@@ -59,6 +59,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="bool",
         default=True,
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    preload.before_conftests(early_config)
 
 
 _sessions: set[pytest.Config] = set()  # the harness's sessions now configured in this process
@@ -108,6 +113,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             packing.remember_class(item.cls)  # what setup_class adds later travels
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What the fork server will import before starting ranks: what the tests imported."""
+    session_settings = settings.settings_of(session.config)
+    if session_settings.launched is None:
+        preload.remember(session, session_settings.preload, session_settings.import_timeout_s)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
     error = item.stash.get(SPEC_ERROR_KEY, None)
@@ -149,7 +161,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
-    if call.excinfo is not None and call.excinfo.errisinstance(runner.HarnessError):
+    if call.excinfo is not None and call.excinfo.errisinstance(HarnessError):
         report.harness_error = True  # travels with the report (xdist serialises __dict__)
     if call.when == "call":
         runner.refuse_xfail(item, report)
@@ -179,6 +191,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    verbose = terminalreporter.config.getoption("verbose", 0) > 0
+    for line in ranks.preload_summary(terminalreporter.config, verbose):
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,8 +1,9 @@
 """Warm rank processes: start them, hand them runs, collect every rank's end, kill and replace.
 
 A :class:`Pool` is N worker processes for one (world size, backend, start method); it stays
-alive across tests. :class:`Pools` owns the pools of one pytest process and the one TCPStore
-(bound to port 0, so no port is ever probed) through which every test's process group meets.
+alive across tests. :class:`Pools` owns the pools of one pytest process and the private store
+through which every test's process group meets (rank/private_store.py). Ranks are forks of
+multiprocessing's fork server (forkserver.py), which has imported what the tests import.
 Imported only when a test first needs ranks, so collection never imports torch.
 """
 
@@ -13,8 +14,6 @@ import itertools
 import math
 import mmap
 import multiprocessing
-import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
-import multiprocessing.resource_tracker
 import os
 import pickle
 import select
@@ -30,9 +29,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import collective_match, environment, loopback, reaper, signing
+from harness import collective_match, environment, forkserver, loopback, reaper, signing
+from harness.errors import HarnessError
 from harness.hygiene import UNDONE
 from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.preload import PreloadPlan
 from harness.protocol import (
     COUNT_SIZE,
     CURRENT_TEST,
@@ -70,8 +71,8 @@ def failure_grace_s() -> float:
     return float(os.environ.get(TEST_FAILURE_GRACE, FAILURE_GRACE_S))
 
 
-class PoolStartError(RuntimeError):
-    """The rank processes could not be started."""
+class PoolStartError(HarnessError):
+    """The rank processes could not be started: the test errors with this message alone."""
 
 
 @dataclass(frozen=True)
@@ -247,9 +248,10 @@ HELD_GROUP = (
     "ended after the test: something still holds its torn-down process group (a subgroup "
     "or DeviceMesh kept in a cache, say), whose sockets only the process's end closes"
 )
-# How long a rank may take to say it stays after a failure or a dropped group: its own bound
-# on the check (worker.RELEASE_BOUND_S, then garbage collection), and some.
-SETTLE_S = 5.0
+# How long a rank may take to say it stays after a failure or a dropped group: a safety net
+# above its own bounds on the check (group_release.OWN_GROUP_RELEASE_WAIT_S, then garbage
+# collection). It says so in milliseconds; only a rank stuck in the check waits it out.
+SETTLE_S = 90.0
 
 
 class LiveOutput:
@@ -304,10 +306,9 @@ class LiveOutput:
 class Pool:
     """N warm ranks. `run` never leaves a rank running: a hung or dead pool is closed."""
 
-    def __init__(self, key: PoolKey, workdir: Path) -> None:
+    def __init__(self, key: PoolKey, workdir: Path, ctx: Any) -> None:
         self.key = key
         self.broken = False
-        ctx = _context(key.start_method)
         self._dir = Path(tempfile.mkdtemp(prefix=f"ranks{key.world_size}-", dir=workdir))
         self.slots: list[_Slot] = []
         try:
@@ -693,48 +694,10 @@ class _Run:
 _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
 
 
-def _context(start_method: str) -> Any:
-    ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        _socket_dir_short_enough()
-        ctx.set_forkserver_preload(["harness.rank.worker", "harness.rank.forkserver_guard"])
-    return ctx
-
-
-# A Unix socket's path holds at most 107 bytes; multiprocessing puts the forkserver's at
-# <its temp dir>/listener-XXXXXXXX, its temp dir being $TMPDIR/pymp-XXXXXXXX.
-SOCKET_PATH_MAX = 107
-_LISTENER = len("/listener-12345678")
-_SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-
-
-def _socket_dir_short_enough() -> None:
-    """Have multiprocessing keep its sockets under a short directory where TMPDIR is long (a
-    CI's workspace): from a TMPDIR of 76 characters, no rank could start."""
-    from multiprocessing import util
-
-    if len(tempfile.gettempdir()) + len("/pymp-12345678") + _LISTENER <= SOCKET_PATH_MAX:
-        return
-    short = next((d for d in _SHORT_TEMP_DIRS if os.access(d, os.W_OK)), None)
-    saved = tempfile.tempdir
-    try:
-        if short is not None:
-            tempfile.tempdir = short  # where util makes its directory, unless it has one
-        made = util.get_temp_dir()
-    finally:
-        tempfile.tempdir = saved
-    if len(made) + _LISTENER > SOCKET_PATH_MAX:
-        raise PoolStartError(
-            f"multiprocessing's directory for sockets, {made!r}, is too long for a Unix "
-            f"socket ({SOCKET_PATH_MAX} bytes at most): set TMPDIR to a shorter directory, or "
-            f"use --rank-start-method spawn"
-        )
-
-
 class Pools:
     """Every pool of this pytest process, and the private store their groups meet through."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: PreloadPlan | None = None) -> None:
         self._pools: dict[PoolKey, Pool] = {}
         # Per pool, the group every rank kept after the last run, and that run's timeout.
         self._kept: dict[PoolKey, tuple[str, float]] = {}
@@ -748,6 +711,31 @@ class Pools:
         self.secret = signing.new_secret()  # for the keys the ranks write in the store
         # (rank pids, module, file, mtime) of the test modules the ranks have imported.
         self.modules_loaded: set[tuple[tuple[int, ...], str, str, int]] = set()
+        self._preload = preload  # what the fork server imports first, until it is started
+        self.preloaded: forkserver.Preloaded | None = None
+        self._preload_output = ""  # what preloading printed, until a test's report shows it
+
+    def _new_pool(self, key: PoolKey) -> Pool:
+        return Pool(key, self._workdir, self._context(key.start_method))
+
+    def _context(self, start_method: StartMethod) -> Any:
+        """multiprocessing's context for new ranks. The first pool to use the fork server
+        starts it with the session's preload plan: tried once (a plan is never retried)."""
+        plan = self._preload if start_method == "forkserver" else None
+        if plan is not None:
+            self._preload = None
+        try:
+            ctx, preloaded = forkserver.context(start_method, plan, self._workdir)
+        except forkserver.ServerStartError as exc:
+            raise PoolStartError(str(exc)) from None
+        if preloaded is not None:
+            self.preloaded, self._preload_output = preloaded, preloaded.output
+        return ctx
+
+    def take_preload_output(self) -> str:
+        """What the fork server printed preloading the tests' imports; once, then empty."""
+        output, self._preload_output = self._preload_output, ""
+        return output
 
     @property
     def store_path(self) -> str:
@@ -761,7 +749,7 @@ class Pools:
             self._kept.pop(key, None)  # new ranks hold no group
             if pool is not None:
                 pool.close()
-            pool = Pool(key, self._workdir)
+            pool = self._new_pool(key)
             self._pools[key] = pool
             self.started_pids.update(pool.pids)
         return pool
@@ -810,7 +798,7 @@ class Pools:
 
     def _run_on_spare_ranks(self, request: RunRequest, setup_attempt: int) -> list[RankOutcome]:
         """A run while its key's warm ranks are busy: on ranks started for it, then closed."""
-        pool = Pool(PoolKey.of(request.spec), self._workdir)
+        pool = self._new_pool(PoolKey.of(request.spec))
         self.started_pids.update(pool.pids)
         tasks, _launch_store = self._tasks(request, setup_attempt, None)
         try:
@@ -881,71 +869,6 @@ class Pools:
         while time.monotonic() < deadline and any(reaper.alive(p) for p in self.started_pids):
             time.sleep(0.05)
         return sorted(p for p in self.started_pids if reaper.alive(p))
-
-
-FORKSERVER_STOP_S = 5.0
-TRACKER_STOP_S = 1.0  # it exits in milliseconds unless someone else holds its pipe
-
-
-def stop_forkserver() -> None:
-    """End multiprocessing's fork server, if this process started one, and reap it.
-
-    Left alone it ends only once this process has exited and it notices, then spends a
-    second or so tearing torch down: a process outliving the session. Its ranks are dead by
-    now, so it is killed (a clean stop would cost that second here instead), after whatever
-    it adopted from ranks that died (their orphaned children).
-    """
-    server: Any = multiprocessing.forkserver._forkserver
-    with server._lock:
-        pid = getattr(server, "_forkserver_pid", None)
-        if pid is None:
-            return
-        # A rank that died left its children to the server (a subreaper): killed with it,
-        # the server would run no step of its own to end them.
-        reaper.kill_tree(pid)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-        _reap(pid, FORKSERVER_STOP_S)
-        with contextlib.suppress(OSError):
-            os.close(server._forkserver_alive_fd)
-        address = server._forkserver_address
-        if address and not multiprocessing.util.is_abstract_socket_namespace(address):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
-    _stop_resource_tracker()
-
-
-def _stop_resource_tracker() -> None:
-    """End multiprocessing's resource tracker, started with the fork server, and reap it.
-
-    It ends by itself once every holder of its pipe has closed it: after this process
-    exits, a moment too late. Closed here, it frees what is left registered (as it would
-    then) and exits; a process still holding the pipe (a user's own child) keeps it, so it
-    is waited for only briefly and never killed: it would leave that child's resources.
-    """
-    tracker: Any = multiprocessing.resource_tracker._resource_tracker
-    with tracker._lock:
-        fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
-        if fd is None or pid is None:
-            return
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        tracker._fd = tracker._pid = None
-        _reap(pid, TRACKER_STOP_S)
-
-
-def _reap(pid: int, bound_s: float) -> None:
-    """Wait for child `pid` to end, at most `bound_s`."""
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return  # not ours to reap, or already reaped
-        if done:
-            return
-        time.sleep(0.01)
 
 
 def _same_counts(outcomes: list[RankOutcome]) -> bool:

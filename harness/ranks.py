@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from harness import made_in_ranks, packing
+from harness import made_in_ranks, packing, preload
 from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
 
@@ -224,8 +224,45 @@ def pools_of(config: pytest.Config) -> Pools:
     if _pools_key not in config.stash:
         from harness.pool import Pools
 
-        config.stash[_pools_key] = Pools()
+        config.stash[_pools_key] = Pools(preload.plan_of(config))
     return config.stash[_pools_key]
+
+
+def take_preload_output(config: pytest.Config) -> str:
+    """What the fork server printed preloading the tests' imports, once (see preload.py)."""
+    pools = config.stash.get(_pools_key, None)
+    return "" if pools is None else pools.take_preload_output()
+
+
+def preload_summary(config: pytest.Config, verbose: bool) -> list[str]:
+    """Lines for the terminal summary about what the fork server preloaded: the imports it
+    could not do, and threads it was left running (always); its figures (under -v)."""
+    pools = config.stash.get(_pools_key, None)
+    done = None if pools is None else pools.preloaded
+    if done is None:
+        return []
+    lines = []
+    if verbose:
+        lines.append(
+            f"harness: the fork server preloaded {done.modules} modules the tests import in "
+            f"{done.seconds:.1f} s (--rank-preload none: each rank imports them itself)"
+        )
+    if done.failed:
+        shown = done.failed if verbose else done.failed[:3]
+        lines.append(
+            f"harness: {len(done.failed)} of the modules the tests import could not be "
+            f"preloaded in the fork server; each rank imported them itself:"
+        )
+        lines += [f"  {line}" for line in shown]
+        if len(shown) < len(done.failed):
+            lines.append(f"  ... {len(done.failed) - len(shown)} more (-v lists them)")
+    if done.threads:
+        lines.append(
+            f"harness: preloading the tests' imports left {done.threads} thread(s) running in "
+            f"the fork server; ranks are forks of it (a rank that hangs at start: run with "
+            f"--rank-preload none)"
+        )
+    return lines
 
 
 def close_pools(config: pytest.Config) -> list[int]:
@@ -235,7 +272,7 @@ def close_pools(config: pytest.Config) -> list[int]:
 
 
 def stop_forkserver_if_started() -> None:
-    """End the fork server ranks came from, if this process started ranks (pool's)."""
-    pool = sys.modules.get("harness.pool")
-    if pool is not None:
-        pool.stop_forkserver()
+    """End the fork server ranks came from, if this process started ranks."""
+    server = sys.modules.get("harness.forkserver")
+    if server is not None:
+        server.stop_forkserver()

@@ -19,6 +19,7 @@ from _pytest.outcomes import Failed
 from harness import expect as expectations
 from harness import faults as fault_specs
 from harness import packing, rank_warnings
+from harness.errors import HarnessError
 from harness.faults import Fault
 from harness.hygiene import CHECKS
 from harness.outcome import (
@@ -31,7 +32,7 @@ from harness.outcome import (
     set_up_failure_text,
 )
 from harness.protocol import RankSpec
-from harness.ranks import WarmRanks, ranks_of
+from harness.ranks import WarmRanks, ranks_of, take_preload_output
 from harness.settings import settings_of, spec_for_call
 
 _leftovers_key = pytest.StashKey[str]()
@@ -50,10 +51,6 @@ class RanksReplacedWarning(pytest.PytestWarning):
     them), or something still held its torn-down group, or the like; the warning says."""
 
 
-class HarnessError(Failed):  # pytest.fail's exception: reported with its message alone
-    """The harness itself could not run the test: reported as an error, not a failure."""
-
-
 # ---- a ranks-marked test ------------------------------------------------------------------
 
 
@@ -69,6 +66,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     warn_of_replaced_ranks(item, outcomes)
     record_leftovers(item, outcomes)
     if ranks.reports_output:
+        attach_preload_output(item)
         attach_output(item, outcomes)
     judge(item, spec, outcomes)
 
@@ -150,6 +148,14 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = 
             if text:
                 title = f"{stream} [rank {o.rank}]{f' {during}' if during else ''}"
                 item.add_report_section("call", title, text)
+
+
+def attach_preload_output(item: pytest.Item) -> None:
+    """What the fork server printed preloading the tests' imports (a library's load
+    warnings): on the first test whose ranks it started, as a rank's import output is."""
+    text = take_preload_output(item.config)
+    if text:
+        item.add_report_section("call", "output [fork server] preloading the tests' imports", text)
 
 
 def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:

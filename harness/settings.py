@@ -51,6 +51,12 @@ OPTIONS: list[tuple[str, str, str]] = [
         f"(default {DEFAULT_IMPORT_TIMEOUT_S:g})",
         "S",
     ),
+    (
+        "rank_preload",
+        "what the fork server imports once before starting ranks: auto (default: the "
+        "installed and standard-library modules the collected tests import) or none",
+        "MODE",
+    ),
     ("rank_start_method", "how rank processes start: forkserver (default), spawn, fork", "M"),
     ("rank_backend", "process group backend for rank tests: gloo (default) or nccl", "B"),
     (
@@ -67,6 +73,7 @@ OPTIONS: list[tuple[str, str, str]] = [
         "PATH",
     ),
 ]
+PRELOAD_MODES = ("auto", "none")  # --rank-preload (see preload.py)
 ADOPTERS = ("torch",)  # the --rank-adopt values: which existing test bases run on warm ranks
 
 
@@ -77,6 +84,7 @@ class Settings:
     ranks: int = DEFAULT_RANKS
     rank_timeout_s: float | None = None  # --rank-timeout or the ini key
     import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S  # --rank-import-timeout or the ini key
+    preload: str = "auto"  # --rank-preload: what the fork server imports (see preload.py)
     pytest_timeout_s: float | None = None  # pytest-timeout's --timeout, ini or env, when loaded
     start_method: StartMethod = "forkserver"
     backend: Backend = "gloo"
@@ -133,6 +141,7 @@ def configure(config: pytest.Config) -> Settings:
             import_timeout_s=_from_option(
                 config, "rank_import_timeout", DEFAULT_IMPORT_TIMEOUT_S, _seconds
             ),
+            preload=_from_option(config, "rank_preload", "auto", _preload_mode),
             pytest_timeout_s=_pytest_timeout(config),
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
             backend=_from_option(config, "rank_backend", _default_backend(launched), _backend),
@@ -311,6 +320,12 @@ def _start_method(value: Any, origin: str) -> StartMethod:
         fix = f"choose one of {', '.join(START_METHODS)}"
         raise SpecError(invalid("start method", value, origin, fix))
     return cast(StartMethod, value)
+
+
+def _preload_mode(value: Any, origin: str) -> str:
+    if value not in PRELOAD_MODES:
+        raise SpecError(invalid("rank_preload", value, origin, "use auto or none"))
+    return str(value)
 
 
 def _adopters(value: Any, origin: str) -> frozenset[str]:

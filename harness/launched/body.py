@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from harness import endings, environment, hygiene, rank_warnings, reaper, runner
+from harness.errors import HarnessError
 from harness.faults import Injector
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
@@ -52,7 +53,7 @@ def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) 
         session.set_own_group_aside()  # the test sets its own up, from torchrun's environment
     elif not session.agree_on_group(key, ARRIVE_S, spec.fresh_group):
         absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
-        raise runner.HarnessError(
+        raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
             f"({absent}); the test body never ran",
             pytrace=False,

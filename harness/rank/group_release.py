@@ -106,6 +106,21 @@ def _hand_over(groups: list[Any]) -> None:
         threading.Thread(target=_free, args=(box,), name=_RELEASE_THREAD, daemon=True).start()
 
 
+# How long a rank waits, after a test, for its release threads (freeing takes ~20 ms a
+# group). The harness's group: past the first bound, a group still being freed is taken for
+# free (nothing holds it). A group the test set up itself counts as held until freed (its
+# store may listen on a port the next test wants): the second bound is a safety net for a
+# destructor that never returns, not a guess (one took seconds on a saturated machine).
+RELEASE_WAIT_S = 1.0
+OWN_GROUP_RELEASE_WAIT_S = 60.0
+
+
+def held_after_test(strict: bool) -> bool:
+    """Whether a torn-down group is still held after a test (see still_held); `strict` for a
+    group the test set up itself."""
+    return still_held(OWN_GROUP_RELEASE_WAIT_S if strict else RELEASE_WAIT_S, strict)
+
+
 def still_held(bound_s: float, strict: bool = False) -> bool:
     """Whether a group destroy_all destroyed last is still alive once garbage cycles are
     collected (an FSDP model's, a traceback's frames) and the release threads are done

@@ -125,9 +125,6 @@ def main(conn: Any, files: RankFiles) -> None:
             _settle(conn, outcome.key, check=True, strict=outcome.settles)
 
 
-RELEASE_BOUND_S = 1.0
-
-
 def _settle(conn: Any, key: str, check: bool, strict: bool = False) -> None:
     """After a group was torn down because a test failed or a peer lags: a group something
     still holds (an FSDP model's mesh, say) keeps its sockets open, and a peer waiting on
@@ -137,7 +134,7 @@ def _settle(conn: Any, key: str, check: bool, strict: bool = False) -> None:
     rank that ends. Only after the result is sent: collecting garbage takes tenths of a
     second. `strict` for a group the test set up itself: one still being freed at the
     bound counts as held (its store may still listen on a port the next test wants)."""
-    leaving = check and group_release.still_held(RELEASE_BOUND_S, strict)
+    leaving = check and group_release.held_after_test(strict)
     with contextlib.suppress(OSError):
         conn.send(Message(Kind.SETTLED, Settled(key, leaving)))
     if leaving:

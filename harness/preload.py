@@ -1,0 +1,108 @@
+"""Which modules the fork server imports once, before it starts any rank (--rank-preload).
+
+A rank is a fork of multiprocessing's fork server. Without this, each fresh rank imports
+what its test module imports: four ranks importing transformers at once on a busy 2-core
+machine took over 30 s, and every replaced rank paid again. Chosen here, after collection,
+from what the pytest process imported since the plugin was loaded (conftests, test modules),
+they are imported once per session in the server (rank/forkserver_preload.py), and every
+rank of every world size then starts with them loaded: about one fork each.
+
+Only installed and standard-library modules are chosen. The project's own modules (test
+helpers, conftests, an editable install) are still imported in each rank, after the rank
+knows who it is: a module of the project that reads the rank's environment at import time
+keeps reading its own rank. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+# What this process had imported when it first loaded the plugin; a session's own snapshot,
+# taken before its conftests load (see before_conftests), is used where there is one.
+_AT_PLUGIN_LOAD = frozenset(sys.modules)
+_before_key = pytest.StashKey[frozenset[str]]()
+
+# Top-level packages never preloaded: pytest's own, and what multiprocessing runs as main.
+_NEVER = frozenset({"__main__", "__mp_main__", "_pytest", "pytest", "pluggy", "py", "harness"})
+
+
+@dataclass(frozen=True)
+class PreloadPlan:
+    """The modules the fork server imports before its first rank, and its bound for that."""
+
+    modules: tuple[str, ...]
+    bound_s: float
+
+
+_plan_key = pytest.StashKey[PreloadPlan]()
+
+
+def before_conftests(config: pytest.Config) -> None:
+    """What this process has imported before the session's conftests and test modules: what
+    is new at the end of collection is what they imported (a pytest run inside another
+    process's session counts only its own)."""
+    config.stash[_before_key] = frozenset(sys.modules)
+
+
+def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
+    """Choose, once the session's tests are collected, what the fork server preloads."""
+    if mode == "none":
+        return
+    before = session.config.stash.get(_before_key, _AT_PLUGIN_LOAD)
+    modules = chosen(before, sys.modules, _plugin_packages(session.config))
+    session.config.stash[_plan_key] = PreloadPlan(tuple(modules), bound_s)
+
+
+def plan_of(config: pytest.Config) -> PreloadPlan | None:
+    return config.stash.get(_plan_key, None)
+
+
+def chosen(
+    before: frozenset[str], modules: Mapping[str, ModuleType | None], never: frozenset[str]
+) -> list[str]:
+    """The modules imported since `before` that come from the standard library or an
+    installed distribution, in the order their imports began (parents first)."""
+    roots = installed_roots()
+    found = []
+    for name, module in list(modules.items()):
+        if name in before or module is None or name.partition(".")[0] in never | _NEVER:
+            continue
+        if getattr(module, "__name__", None) != name:
+            continue  # an alias another module put there (six.moves, torch.ops.*)
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
+            found.append(name)
+    return found
+
+
+def installed_roots() -> tuple[str, ...]:
+    """Where the standard library and installed distributions live, each ending in a
+    separator (a project's venv may lie inside its own directory: its site-packages are
+    installed code, the project's files beside it are not)."""
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots.update(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        roots.add(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(root) + os.sep for root in roots}))
+
+
+def _plugin_packages(config: pytest.Config) -> frozenset[str]:
+    """The top-level packages of pytest's loaded plugins: pytest's side, not the tests'."""
+    tops = set()
+    for plugin in config.pluginmanager.get_plugins():
+        name = getattr(plugin, "__name__", None) if isinstance(plugin, ModuleType) else None
+        if name is not None and not Path(getattr(plugin, "__file__", "") or "").name.startswith(
+            "conftest"
+        ):
+            tops.add(name.partition(".")[0])
+    return frozenset(tops)

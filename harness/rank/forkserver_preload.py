@@ -1,0 +1,99 @@
+"""Imported only in the fork server that starts the ranks (last in its preload list).
+
+Imports the modules the pytest process chose (harness/preload.py) once, so that every rank
+forked from the server starts with them loaded. The pytest process names a directory of its
+private work directory in PRELOAD_DIR while it starts the server; in it:
+
+- ``started``: made when the server, its own imports done, begins with these;
+- ``modules``: the names to import, one per line (written by the pytest process);
+- ``path``: the pytest process's sys.path, one entry per line (multiprocessing's server
+  before Python 3.12 does not take it), used while importing;
+- ``at``: the module being imported now, for a report if the import never ends;
+- ``output``: what the imports printed (the server's stdout and stderr are pytest's own);
+- ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
+  than the server ran before), then ``failed NAME: ERROR`` lines.
+
+A module that fails here is left to the ranks, which import it as they would have. No
+variable of the harness's stays in the server's environment: the ranks inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+PRELOAD_DIR = "_HARNESS_PRELOAD_DIR"
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Send what the imports print, from Python or native code, to `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for each in (fd, *saved):
+            os.close(each)
+
+
+@contextlib.contextmanager
+def _path_from(path: Path) -> Iterator[None]:
+    saved = sys.path[:]
+    sys.path[:] = path.read_text().splitlines()
+    try:
+        yield
+    finally:
+        sys.path[:] = saved  # a rank takes its test's sys.path with each task
+
+
+def preload(directory: Path) -> None:
+    (directory / "started").touch()
+    names = (directory / "modules").read_text().split()
+    at = directory / "at"
+    threads_before, started = _threads(), time.monotonic()
+    failed: list[str] = []
+    with _output_to(directory / "output"), _path_from(directory / "path"):
+        for name in names:
+            if name in sys.modules:
+                continue  # imported with its parent or a sibling
+            at.write_text(name)
+            try:
+                importlib.import_module(name)
+            except (Exception, SystemExit) as exc:
+                error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                failed.append(f"failed {name}: {error}")
+    lines = [
+        f"imported {len(names) - len(failed)}",
+        f"seconds {time.monotonic() - started:.3f}",
+        f"threads {max(0, _threads() - threads_before)}",
+        *failed,
+    ]
+    written = directory / "done.partial"
+    written.write_text("\n".join(lines) + "\n")
+    written.rename(directory / "done")
+
+
+_directory = os.environ.pop(PRELOAD_DIR, None)
+if _directory:
+    preload(Path(_directory))

@@ -1,0 +1,179 @@
+"""The fork server imports what the tests import once (--rank-preload): ranks start as forks
+with it loaded, the project's own modules stay per rank, and a preload that fails, prints or
+hangs is reported as what it is."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from harness import preload
+
+# A folder the inner session's conftest declares installed (as site-packages are), holding
+# modules that record which process imported them.
+CONFTEST = """
+import os, sys
+from pathlib import Path
+import harness.preload
+
+SITE = Path(__file__).parent / "site"
+sys.path.insert(0, str(SITE))
+harness.preload.installed_roots = lambda: (str(SITE) + os.sep,)
+os.environ["TEST_PYTEST_PID"] = str(os.getpid())
+"""
+INSTALLED = """
+import os
+print("loading installed_mod")
+IMPORTED_IN = os.getpid()
+"""
+OWN = """
+import os
+IMPORTED_IN = os.getpid()
+"""
+TESTS = """
+import os, pytest
+import installed_mod, own_helper
+
+
+@pytest.mark.ranks(2)
+def test_where_modules_were_imported(rank):
+    assert installed_mod.IMPORTED_IN {installed} os.getpid()
+    assert installed_mod.IMPORTED_IN {server} os.getppid()  # the fork server
+    assert own_helper.IMPORTED_IN == os.getpid()  # the project's own: in each rank
+    assert not any(name.startswith("_HARNESS_PRELOAD") for name in os.environ)
+
+
+@pytest.mark.ranks(4)
+def test_another_world_size(rank):
+    assert installed_mod.IMPORTED_IN {installed} os.getpid()
+"""
+
+
+def _project(inner: pytest.Pytester, installed: str = INSTALLED, **more: str) -> None:
+    inner.makeconftest(CONFTEST)
+    site = inner.mkdir("site")
+    (site / "installed_mod.py").write_text(installed)
+    for name, source in more.items():
+        (site / f"{name}.py").write_text(source)
+    (inner.path / "own_helper.py").write_text(OWN)
+
+
+def test_installed_modules_the_tests_import_are_imported_once_in_the_fork_server(
+    inner: pytest.Pytester,
+) -> None:
+    _project(inner)
+    inner.makepyfile(TESTS.format(installed="!=", server="=="))
+    result = inner.runpytest_subprocess("-p", "harness", "-rA", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*Captured output [[]fork server[]] preloading the tests' imports*",
+            "loading installed_mod",
+            "harness: the fork server preloaded * modules the tests import in * s*",
+        ]
+    )
+    assert result.stdout.str().count("loading installed_mod") == 1  # once, not per rank
+
+
+def test_with_rank_preload_none_each_rank_imports_them(inner: pytest.Pytester) -> None:
+    _project(inner)
+    inner.makepyfile(TESTS.format(installed="==", server="!="))
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "none")
+    result.assert_outcomes(passed=2)
+
+
+# Fails, dies or hangs only in the fork server (whose parent is the pytest process).
+IN_THE_SERVER_ONLY = """
+import os, time
+if os.getppid() == int(os.environ["TEST_PYTEST_PID"]):
+    {action}
+IMPORTED_IN = os.getpid()
+"""
+FAILING_TESTS = """
+import os, pytest
+import installed_mod, troublesome
+
+
+@pytest.mark.ranks(2)
+def test_first(rank):
+    assert installed_mod.IMPORTED_IN != os.getpid()
+    assert troublesome.IMPORTED_IN == os.getpid()  # the rank imported it itself
+
+
+@pytest.mark.ranks(2)
+def test_second(rank):
+    assert troublesome.IMPORTED_IN == os.getpid()
+"""
+
+
+def test_a_module_that_fails_in_the_server_is_left_to_the_ranks(inner: pytest.Pytester) -> None:
+    _project(inner, troublesome=IN_THE_SERVER_ONLY.format(action="raise RuntimeError('no')"))
+    inner.makepyfile(FAILING_TESTS)
+    result = inner.runpytest_subprocess("-p", "harness")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "harness: 1 of the modules the tests import could not be preloaded in the fork "
+            "server; each rank imported them itself:",
+            "  troublesome: RuntimeError: no",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("action", "expected"),
+    [
+        (
+            "time.sleep(3600)",
+            "*the fork server was still preloading the test modules' imports, in "
+            "'troublesome' after 3 s (--rank-import-timeout)*",
+        ),
+        (
+            "os._exit(7)",
+            "*the fork server died preloading the test modules' imports, in 'troublesome'*",
+        ),
+    ],
+    ids=["hangs", "dies"],
+)
+def test_a_preload_that_hangs_or_kills_the_server_fails_one_test_only(
+    inner: pytest.Pytester, action: str, expected: str
+) -> None:
+    _project(inner, troublesome=IN_THE_SERVER_ONLY.format(action=action))
+    inner.makepyfile(
+        FAILING_TESTS.replace("    assert installed_mod.IMPORTED_IN != os.getpid()\n", "")
+    )
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-import-timeout", "3", "-v")
+    result.stdout.fnmatch_lines([expected, "*--rank-preload none*"])
+    # The preload is given up; the next test's ranks come from a plain server.
+    result.stdout.fnmatch_lines(["*test_second*PASSED*"])
+    result.assert_outcomes(passed=1, errors=1)  # the harness's error, not the test's failure
+
+
+def test_a_bad_preload_mode_is_a_usage_error(inner: pytest.Pytester) -> None:
+    inner.makepyfile("def test_nothing():\n    pass\n")
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "everything")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*rank_preload*everything*use auto or none*"])
+
+
+def test_only_new_installed_modules_under_their_own_names_are_chosen(tmp_path: object) -> None:
+    installed = types.ModuleType("pkg.sub")
+    installed.__file__ = f"{preload.installed_roots()[0]}pkg/sub.py"
+    elsewhere = types.ModuleType("mine")
+    elsewhere.__file__ = f"{tmp_path}/mine.py"
+    alias = types.ModuleType("real.name")
+    alias.__file__ = installed.__file__
+    plugin = types.ModuleType("pytest_plugin_x")
+    plugin.__file__ = f"{preload.installed_roots()[0]}pytest_plugin_x.py"
+    modules = {
+        "sys": sys,  # imported before: not chosen
+        "pkg.sub": installed,
+        "mine": elsewhere,  # not installed
+        "pkg.alias": alias,  # another module's name
+        "pkg.missing": None,  # a failed import's marker
+        "pytest_plugin_x": plugin,  # pytest's side
+    }
+    found = preload.chosen(frozenset({"sys"}), modules, frozenset({"pytest_plugin_x"}))
+    assert found == ["pkg.sub"]
