@@ -140,7 +140,7 @@ def made(group_id: str, keepable: bool) -> None:
     forget()
     _current = _Group(group_id, _default(), _groups(), keepable, _sequence(), _timeout())
     _reset_counts()
-    _current.unwaited_before = _unwaited_functional()
+    _current.unwaited_before = unwaited_functional()
     _current.store = _world().pg_map[_current.pg][1]
 
 
@@ -271,7 +271,7 @@ def reuse(store_prefix: str) -> None:
     otherwise meet the addresses the last test's left."""
     assert _current is not None
     _current.before_test = _groups()
-    _current.unwaited_before = _unwaited_functional()
+    _current.unwaited_before = unwaited_functional()
     _current.backend_used = False
     _reset_counts()
     backend, _ = _world().pg_map[_current.pg]
@@ -293,7 +293,7 @@ def keep(run_key: str) -> str | None:
     _current.unfinished.clear()
     if unfinished:  # a collective or message left unfinished: only a fresh group is safe
         return None
-    unwaited = _unwaited_functional()
+    unwaited = unwaited_functional()
     if unwaited is None or unwaited != _current.unwaited_before:  # the same, by another road
         return None
     if _current.pg in _world().pg_coalesce_state:  # a coalescing block an error left open:
@@ -339,7 +339,7 @@ def _timeout() -> Any:
         return None
 
 
-def _unwaited_functional() -> int | None:
+def unwaited_functional() -> int | None:
     """How many functional collectives no one has waited for (None: torch cannot tell)."""
     try:
         return int(torch._C._distributed_c10d._get_work_registry_size())

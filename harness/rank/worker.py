@@ -299,6 +299,28 @@ def _serve(task: RunTask) -> RankOutcome:
     return outcome
 
 
+def _why_replaced(daemons: list[str], unwaited_before: int | None) -> str:
+    """Why this rank must not serve another test, though the test may pass: what it left
+    that the process keeps for its life ("" when nothing)."""
+    replaced = "the ranks are replaced for the next test"
+    if daemons:
+        return f"left daemon threads running ({', '.join(daemons)}); {replaced}"
+    if _rpc_was_initialized():
+        return (
+            f"set torch.distributed.rpc up (its RRef context keeps the first agent for the "
+            f"process's life: RPC cannot be set up again in it); {replaced}"
+        )
+    unwaited = kept_group.unwaited_functional()
+    if unwaited is not None and unwaited_before is not None and unwaited > unwaited_before:
+        n = unwaited - unwaited_before
+        return (
+            f"left {n} functional collective{'s' if n > 1 else ''} unwaited (torch's work "
+            f"registry keeps it, and its group, for the process's life); wait for its result "
+            f"(.wait(), or use the tensor); {replaced}"
+        )
+    return ""
+
+
 def _rpc_was_initialized() -> bool:
     """Whether torch.distributed.rpc was ever set up in this process (init_rpc records the
     workers' names; shutdown leaves them)."""
@@ -401,6 +423,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         _enter_test_context(task)
         before = hygiene.before_test()
         raw_before = raw_threads.running().keys()
+        unwaited = kept_group.unwaited_functional()
         _xfail_as_pytest_has_it(task.spec.runxfail)
         with rank_warnings.recording(task.spec.warning_filters) as log:
             call = _prepare_call(task)  # the test's module is loaded: its loggers exist
@@ -420,17 +443,7 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left, raw)
         hygiene.put_back_native_env(before)
         daemons = hygiene.daemons_left(before) if "threads" in task.spec.hygiene else []
-        if daemons:
-            outcome.replace_after = (
-                f"left daemon threads running ({', '.join(daemons)}); the ranks are replaced "
-                f"for the next test"
-            )
-        if not outcome.replace_after and _rpc_was_initialized():
-            outcome.replace_after = (
-                "set torch.distributed.rpc up (its RRef context keeps the first agent for the "
-                "process's life: RPC cannot be set up again in it); the ranks are replaced for "
-                "the next test"
-            )
+        outcome.replace_after = outcome.replace_after or _why_replaced(daemons, unwaited)
         kept_ok = not (outcome.leftovers or outcome.replace_after)
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
             kept = outcome.kept_group = kept_group.keep(task.key)

@@ -276,3 +276,46 @@ def test_a_test_that_set_rpc_up_gets_its_ranks_replaced(pytester: pytest.Pyteste
     pytester.makepyfile(test_rpc=RPC_TWICE)
     result = pytester.runpytest_subprocess("-p", "harness", "-W", "ignore", "--rank-timeout", "60")
     result.assert_outcomes(passed=2)
+
+
+UNWAITED_FUNCTIONAL = """
+import pytest, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def registry():
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+@pytest.mark.ranks(2)
+def test_a_leaves_a_functional_collective_unwaited(rank):
+    group = dist.new_group([0, 1])
+    funcol.all_reduce(torch.ones(2), "sum", group)  # its result never waited for
+    assert registry() == 1
+
+
+@pytest.mark.ranks(2)
+def test_b_next(rank):
+    assert registry() == 0  # nothing holds a torn-down group's sockets and thread
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 2
+"""
+
+
+@pytest.mark.isolation
+def test_a_functional_collective_left_unwaited_gets_the_ranks_replaced(
+    pytester: pytest.Pytester,
+) -> None:
+    """torch's registry of functional collectives (DTensor's async outputs) keeps an unwaited
+    one's work, and with it its torn-down group's sockets and thread, for the process's life:
+    on warm ranks every later test found it there."""
+    pytester.makepyfile(test_unwaited=UNWAITED_FUNCTIONAL)
+    result = pytester.runpytest_subprocess("-p", "harness", "--rank-timeout", "60", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*RanksReplacedWarning: *rank ? left 1 functional collective unwaited (torch's work "
+            "registry keeps it, and its group, for the process's life)*",
+        ]
+    )
