@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,20 +52,56 @@ class Preloaded:
     output: str = ""
 
 
+# A server started before the tests were collected (start_early), and its directory: it
+# waits for the session's list, which the first pool to need it hands over.
+_waiting: tuple[Path, int] | None = None
+
+
+def start_early(workdir: Path, early: Sequence[str]) -> bool:
+    """Start the server now, while pytest collects: its own imports (torch, the worker) and
+    `early` (what the last session preloaded) overlap the collection; it then waits for the
+    session's list (`context` hands it over). False when a server already runs."""
+    global _waiting
+    if _server_pid() is not None:
+        return False
+    _prepare(multiprocessing.get_context("forkserver"))
+    directory = _launch(workdir, early)
+    pid = _server_pid()
+    _waiting = None if pid is None else (directory, pid)
+    return _waiting is not None
+
+
 def context(
     start_method: str, plan: PreloadPlan | None = None, workdir: Path | None = None
 ) -> tuple[Any, Preloaded | None]:
     """multiprocessing's context for `start_method`; with the fork server, the server is
-    started now if it is not running, preloading `plan`'s modules (files in `workdir`).
-    Also returns what it preloaded: None when it was already running or there is no plan."""
+    started now if it is not running, preloading `plan`'s modules (files in `workdir`), or
+    handed them if it was started early. Also returns what it preloaded: None when it was
+    already running without a preload, or there is no plan."""
+    global _waiting
     ctx = multiprocessing.get_context(start_method)
     if start_method != "forkserver":
         return ctx, None
+    _prepare(ctx)
+    waiting, _waiting = _waiting, None
+    modules = plan.modules if plan is not None else ()
+    if waiting is not None and _server_pid() == waiting[1]:
+        directory = waiting[0]
+    elif modules and _server_pid() is None:
+        directory = _launch(Path(workdir or tempfile.gettempdir()), ())
+    else:
+        return ctx, None
+    _hand_over(directory, modules)
+    pid = _server_pid()
+    bound_s = plan.bound_s if plan is not None else SERVER_START_S
+    _wait_for(directory / "started", pid, directory, SERVER_START_S, "")
+    _wait_for(directory / "done", pid, directory, bound_s, " (--rank-import-timeout)")
+    return ctx, _report(directory)
+
+
+def _prepare(ctx: Any) -> None:
     _socket_dir_short_enough()
     ctx.set_forkserver_preload(SERVER_PRELOAD)
-    if plan is None or not plan.modules or _server_pid() is not None:
-        return ctx, None
-    return ctx, _start_preloading(plan, Path(workdir or tempfile.gettempdir()))
 
 
 def _server_pid() -> int | None:
@@ -74,20 +111,26 @@ def _server_pid() -> int | None:
     return int(pid) if pid is not None and reaper.alive(pid) else None
 
 
-def _start_preloading(plan: PreloadPlan, workdir: Path) -> Preloaded:
-    """Start the server with `plan` and wait, at most its bound, until it has imported it."""
+def _launch(workdir: Path, early: Sequence[str]) -> Path:
+    """Start the server with a directory of its own for the preload (see
+    rank/forkserver_preload.py), `early` its first list."""
     directory = Path(tempfile.mkdtemp(prefix="preload-", dir=workdir))
-    (directory / "modules").write_text("\n".join(plan.modules) + "\n")
-    (directory / "path").write_text("\n".join(sys.path) + "\n")
+    (directory / "early.path").write_text("\n".join(sys.path) + "\n")
+    (directory / "early").write_text("\n".join(early) + "\n")
     os.environ[PRELOAD_DIR] = str(directory)  # read, then dropped, by the server
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.pop(PRELOAD_DIR, None)
-    pid = _server_pid()
-    _wait_for(directory / "started", pid, directory, SERVER_START_S, "")
-    _wait_for(directory / "done", pid, directory, plan.bound_s, " (--rank-import-timeout)")
-    return _report(directory)
+    return directory
+
+
+def _hand_over(directory: Path, modules: Sequence[str]) -> None:
+    """The session's list, with sys.path as it is now, in one rename the server waits for."""
+    (directory / "modules.path").write_text("\n".join(sys.path) + "\n")
+    partial = directory / "modules.partial"
+    partial.write_text("\n".join(modules) + "\n")
+    partial.rename(directory / "modules")
 
 
 def _wait_for(path: Path, pid: int | None, directory: Path, bound_s: float, which: str) -> None:
@@ -179,6 +222,8 @@ def stop_forkserver() -> None:
     now, so it is killed (a clean stop would cost that second here instead), after whatever
     it adopted from ranks that died (their orphaned children).
     """
+    global _waiting
+    _waiting = None
     server: Any = multiprocessing.forkserver._forkserver
     with server._lock:
         pid = getattr(server, "_forkserver_pid", None)

@@ -113,6 +113,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             packing.remember_class(item.cls)  # what setup_class adds later travels
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    """Where ranks will likely be needed, their fork server starts now: torch's import (and
+    what the last session preloaded) overlaps the collection."""
+    ranks.start_server_early(session.config)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What the fork server will import before starting ranks: what the tests imported."""
     session_settings = settings.settings_of(session.config)
@@ -184,6 +191,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every pool and make sure no rank process outlived the session."""
+    if ranks.pools_were_started(session.config):
+        preload.record(session.config)  # the next session's fork server starts early
     left = ranks.close_pools(session.config)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

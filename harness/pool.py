@@ -697,7 +697,7 @@ _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
 class Pools:
     """Every pool of this pytest process, and the private store their groups meet through."""
 
-    def __init__(self, preload: PreloadPlan | None = None) -> None:
+    def __init__(self, preload: Callable[[], PreloadPlan | None] = lambda: None) -> None:
         self._pools: dict[PoolKey, Pool] = {}
         # Per pool, the group every rank kept after the last run, and that run's timeout.
         self._kept: dict[PoolKey, tuple[str, float]] = {}
@@ -711,7 +711,8 @@ class Pools:
         self.secret = signing.new_secret()  # for the keys the ranks write in the store
         # (rank pids, module, file, mtime) of the test modules the ranks have imported.
         self.modules_loaded: set[tuple[tuple[int, ...], str, str, int]] = set()
-        self._preload = preload  # what the fork server imports first, until it is started
+        self._preload = preload  # the session's preload plan, once its tests are collected
+        self._server_asked = False  # whether a pool has asked for the fork server yet
         self.preloaded: forkserver.Preloaded | None = None
         self._preload_output = ""  # what preloading printed, until a test's report shows it
 
@@ -721,9 +722,10 @@ class Pools:
     def _context(self, start_method: StartMethod) -> Any:
         """multiprocessing's context for new ranks. The first pool to use the fork server
         starts it with the session's preload plan: tried once (a plan is never retried)."""
-        plan = self._preload if start_method == "forkserver" else None
-        if plan is not None:
-            self._preload = None
+        plan = None
+        if start_method == "forkserver" and not self._server_asked:
+            self._server_asked = True
+            plan = self._preload()
         try:
             ctx, preloaded = forkserver.context(start_method, plan, self._workdir)
         except forkserver.ServerStartError as exc:
@@ -731,6 +733,10 @@ class Pools:
         if preloaded is not None:
             self.preloaded, self._preload_output = preloaded, preloaded.output
         return ctx
+
+    def start_server_early(self, early: list[str]) -> bool:
+        """Start the fork server before the tests are collected (see forkserver.start_early)."""
+        return forkserver.start_early(self._workdir, early)
 
     def take_preload_output(self) -> str:
         """What the fork server printed preloading the tests' imports; once, then empty."""

@@ -16,6 +16,7 @@ keeps reading its own rank. Imports no torch.
 from __future__ import annotations
 
 import os
+import re
 import site
 import sys
 import sysconfig
@@ -25,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from harness.settings import settings_of
 
 # What this process had imported when it first loaded the plugin; a session's own snapshot,
 # taken before its conftests load (see before_conftests), is used where there is one.
@@ -64,6 +67,40 @@ def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
 
 def plan_of(config: pytest.Config) -> PreloadPlan | None:
     return config.stash.get(_plan_key, None)
+
+
+# pytest's cache: what the last session that started ranks preloaded (module names, JSON).
+CACHE_KEY = "harness/preloaded"
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def start_early_wanted(config: pytest.Config) -> list[str] | None:
+    """What a fork server started before collection imports first (the last session's list,
+    from pytest's cache), or None where starting one early is not wanted: only where ranks
+    are likely needed (the last session started them, or --rank-adopt is on), and never in
+    xdist's controller (its workers run the tests) or under torchrun."""
+    session = settings_of(config)
+    if session.preload != "auto" or session.start_method != "forkserver":
+        return None
+    if session.launched is not None or _xdist_controller(config) or config.option.collectonly:
+        return None
+    cache = getattr(config, "cache", None)
+    last = cache.get(CACHE_KEY, None) if cache is not None else None
+    if last is None and not session.adopt:
+        return None
+    names = last if isinstance(last, list) else []
+    return [n for n in names if isinstance(n, str) and _MODULE_NAME.fullmatch(n)]
+
+
+def record(config: pytest.Config) -> None:
+    """Keep this session's list for the next one's early start (it started ranks)."""
+    plan, cache = plan_of(config), getattr(config, "cache", None)
+    if plan is not None and cache is not None:
+        cache.set(CACHE_KEY, list(plan.modules))
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
 
 
 def chosen(

@@ -224,8 +224,21 @@ def pools_of(config: pytest.Config) -> Pools:
     if _pools_key not in config.stash:
         from harness.pool import Pools
 
-        config.stash[_pools_key] = Pools(preload.plan_of(config))
+        config.stash[_pools_key] = Pools(lambda: preload.plan_of(config))
     return config.stash[_pools_key]
+
+
+def start_server_early(config: pytest.Config) -> None:
+    """Start the ranks' fork server while pytest collects, where ranks will likely be
+    needed (see preload.start_early_wanted): torch's import overlaps the collection."""
+    early = preload.start_early_wanted(config)
+    if early is not None:
+        pools_of(config).start_server_early(early)
+
+
+def pools_were_started(config: pytest.Config) -> bool:
+    pools = config.stash.get(_pools_key, None)
+    return pools is not None and bool(pools.started_pids)
 
 
 def take_preload_output(config: pytest.Config) -> str:

@@ -5,9 +5,12 @@ forked from the server starts with them loaded. The pytest process names a direc
 private work directory in PRELOAD_DIR while it starts the server; in it:
 
 - ``started``: made when the server, its own imports done, begins with these;
-- ``modules``: the names to import, one per line (written by the pytest process);
-- ``path``: the pytest process's sys.path, one entry per line (multiprocessing's server
-  before Python 3.12 does not take it), used while importing;
+- ``early``: for a server started before the tests were collected, the names the last
+  session preloaded, imported while pytest collects; then the server waits for ``modules``;
+- ``modules``: the names to import, one per line (written by the pytest process, in one
+  rename, once the tests are collected);
+- ``early.path``, ``modules.path``: the pytest process's sys.path as each list was written,
+  one entry per line (multiprocessing's server before Python 3.12 does not take it);
 - ``at``: the module being imported now, for a report if the import never ends;
 - ``output``: what the imports printed (the server's stdout and stderr are pytest's own);
 - ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
@@ -60,7 +63,8 @@ def _output_to(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def _path_from(path: Path) -> Iterator[None]:
     saved = sys.path[:]
-    sys.path[:] = path.read_text().splitlines()
+    if path.exists():
+        sys.path[:] = path.read_text().splitlines()
     try:
         yield
     finally:
@@ -69,22 +73,27 @@ def _path_from(path: Path) -> Iterator[None]:
 
 def preload(directory: Path) -> None:
     (directory / "started").touch()
-    names = (directory / "modules").read_text().split()
     at = directory / "at"
     threads_before, started = _threads(), time.monotonic()
-    failed: list[str] = []
-    with _output_to(directory / "output"), _path_from(directory / "path"):
-        for name in names:
-            if name in sys.modules:
-                continue  # imported with its parent or a sibling
-            at.write_text(name)
-            try:
-                importlib.import_module(name)
-            except (Exception, SystemExit) as exc:
-                error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-                failed.append(f"failed {name}: {error}")
+    imported, failed = 0, []
+    with _output_to(directory / "output"):
+        for phase in ("early", "modules"):  # last session's list while pytest collects
+            if phase == "modules" and not _handed_over(directory / phase):
+                break
+            with _path_from(directory / f"{phase}.path"):
+                for name in _names(directory / phase):
+                    if name in sys.modules:
+                        imported += 1
+                        continue  # imported with its parent, a sibling, or earlier
+                    at.write_text(name)
+                    try:
+                        importlib.import_module(name)
+                        imported += 1
+                    except (Exception, SystemExit) as exc:
+                        error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                        failed.append(f"failed {name}: {error}")
     lines = [
-        f"imported {len(names) - len(failed)}",
+        f"imported {imported}",
         f"seconds {time.monotonic() - started:.3f}",
         f"threads {max(0, _threads() - threads_before)}",
         *failed,
@@ -92,6 +101,28 @@ def preload(directory: Path) -> None:
     written = directory / "done.partial"
     written.write_text("\n".join(lines) + "\n")
     written.rename(directory / "done")
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except FileNotFoundError:
+        return []
+
+
+# How long a server started before collection waits for the session's list: a safety net
+# (the pytest process hands it over when its tests are collected, or ends, and so does this).
+HAND_OVER_WAIT_S = 3600.0
+
+
+def _handed_over(path: Path) -> bool:
+    """Wait until the pytest process writes `path` (one rename); False if it ended first."""
+    parent, deadline = os.getppid(), time.monotonic() + HAND_OVER_WAIT_S
+    while not path.exists():
+        if os.getppid() != parent or time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 _directory = os.environ.pop(PRELOAD_DIR, None)

@@ -151,6 +151,41 @@ def test_a_preload_that_hangs_or_kills_the_server_fails_one_test_only(
     result.assert_outcomes(passed=1, errors=1)  # the harness's error, not the test's failure
 
 
+EARLY = """
+import multiprocessing.forkserver, os, pytest
+import installed_mod
+
+
+def test_a_plain_test_first():  # in the pytest process, before any rank test
+    running = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+    assert running == (os.environ["EXPECT_EARLY"] == "1")
+
+
+@pytest.mark.ranks(2)
+def test_ranks(rank):
+    preloaded = os.environ.get("EXPECT_PRELOADED", "1") == "1"
+    assert installed_mod.IMPORTED_IN == (os.getppid() if preloaded else os.getpid())
+"""
+
+
+def test_the_fork_server_starts_during_collection_once_a_session_started_ranks(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its imports (torch, the worker, what the last session preloaded) overlap the
+    # collection; a session that never started ranks starts none early (nor --collect-only).
+    _project(inner)
+    inner.makepyfile(EARLY)
+    monkeypatch.setenv("EXPECT_EARLY", "0")
+    inner.runpytest_subprocess("-p", "harness", "--collect-only")
+    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+    monkeypatch.setenv("EXPECT_EARLY", "1")
+    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+    monkeypatch.setenv("EXPECT_EARLY", "0")
+    monkeypatch.setenv("EXPECT_PRELOADED", "0")
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "none")
+    result.assert_outcomes(passed=2)
+
+
 def test_a_bad_preload_mode_is_a_usage_error(inner: pytest.Pytester) -> None:
     inner.makepyfile("def test_nothing():\n    pass\n")
     result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "everything")
