@@ -52,6 +52,8 @@ def main() -> int:
     lines += adopt.main()
     print("measuring torch's DistributedTest, as it is and adopted...", flush=True)
     lines += adopt.distributed_test()
+    print("measuring torch's RPC suites and DDP under dist autograd, as is and adopted...")
+    lines += adopt.rpc_suite() + adopt.ddp_under_dist_autograd()
     _write(lines)
     print("measuring the library against torch's object collectives...", flush=True)
     section, rows = collectives.main()
