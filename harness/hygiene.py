@@ -32,11 +32,13 @@ class Snapshot:
     native_env: dict[bytes, bytes]  # the C library's (os.putenv, native code)
 
 
-# A non-daemon thread the body started may take this long to end before it counts as left
-# running (a process's exit would wait for it: a flush, a last log line). A safety net, not
-# a guess: one that is merely slow (a busy machine) ends well within it; only a thread that
-# never ends waits it out.
+# A non-daemon thread the body started may run on until the test's own bound before it
+# counts as left running (a process's exit would wait for it: a flush, a last log line):
+# one merely slow (a busy machine) is never flagged; only one that never ends waits it out.
+# Where no bound is given, this long.
 THREAD_END_WAIT_S = 5.0
+# What is kept of the test's bound for the rank to report after that wait.
+REPORT_MARGIN_S = 1.0
 HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never the test's
 
 
@@ -51,12 +53,14 @@ def findings(
     group_left: bool,
     processes: dict[int, str] | None = None,
     raw_threads: list[str] | None = None,
+    threads_until: float | None = None,
 ) -> dict[str, str]:
     """Each leftover, by check: a sentence saying what it is and what to do.
 
     `processes` are the ones the test left running (pid -> command line); already killed.
     `raw_threads` are the functions of the threads the test started with
-    _thread.start_new_thread that still run (or are about to).
+    _thread.start_new_thread that still run (or are about to). `threads_until` (monotonic):
+    until when its non-daemon threads may run on: the test's bound, less REPORT_MARGIN_S.
     """
     found: dict[str, str] = {}
     if "processes" in checks and processes:
@@ -72,11 +76,16 @@ def findings(
         )
     if "threads" in checks:
         started = [t for t in _started_since(before) if not t.daemon]
-        deadline = time.monotonic() + THREAD_END_WAIT_S
+        waited_from = time.monotonic()
+        deadline = waited_from + THREAD_END_WAIT_S if threads_until is None else threads_until
         for thread in started:
             thread.join(max(0.0, deadline - time.monotonic()))
         names = [t.name for t in started if t.is_alive()]
-        said = [f"left non-daemon threads running: {', '.join(sorted(names))}; join them"]
+        waited = time.monotonic() - waited_from
+        said = [
+            f"left non-daemon threads running: {', '.join(sorted(names))} (still running "
+            f"{waited:.1f} s after the test, at its bound); join them"
+        ]
         said = said if names else []
         raw = _raw_threads_left(before, raw_threads or [])
         if raw:

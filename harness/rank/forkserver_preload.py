@@ -16,8 +16,9 @@ private work directory in PRELOAD_DIR while it starts the server; in it:
 - ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
   than the server ran before), then ``failed NAME: ERROR`` lines.
 
-A module that fails here is left to the ranks, which import it as they would have. No
-variable of the harness's stays in the server's environment: the ranks inherit it.
+A module that fails here is left to the ranks, which import it as they would have. What the
+imports changed in torch's process-wide settings is put back (rank/state.py), and no
+variable of the harness's stays in the server's environment: the ranks inherit both.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def preload(directory: Path) -> None:
     at = directory / "at"
     threads_before, started = _threads(), time.monotonic()
     imported, failed = 0, []
-    with _output_to(directory / "output"):
+    from harness.rank import state  # imported with the worker, before this
+
+    with _output_to(directory / "output"), state.torch_globals_kept():
         for phase in ("early", "modules"):  # last session's list while pytest collects
             if phase == "modules" and not _handed_over(directory / phase):
                 break

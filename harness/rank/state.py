@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,30 @@ def _restore_torch_modes(base: tuple[Any, ...]) -> None:
     if now[5] != flags:  # torch's test utilities forbid setting them (then never changed)
         cudnn: Any = torch.backends.cudnn
         cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = flags
+
+
+@contextlib.contextmanager
+def torch_globals_kept() -> Iterator[None]:
+    """Put back torch's process-wide settings that imports in the block changed (torch's test
+    utilities freeze the cuDNN flags when imported): ranks forked from the fork server after
+    it preloaded the tests' imports start as a new process would."""
+    saved = (torch.get_default_dtype(), torch.is_grad_enabled(), _deterministic())
+    backends: Any = torch.backends
+    modes, frozen = _torch_modes(), backends.flags_frozen()
+    try:
+        yield
+    finally:
+        if not frozen and backends.flags_frozen():
+            # torch.backends is a wrapper module: the flag lives in its functions' globals.
+            backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+        dtype, grad, (mode, warn_only) = saved
+        if torch.get_default_dtype() != dtype:
+            torch.set_default_dtype(dtype)
+        if torch.is_grad_enabled() != grad:
+            torch.set_grad_enabled(grad)
+        if _deterministic() != (mode, warn_only):
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        _restore_torch_modes(modes)
 
 
 def open_streams() -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ import random
 import signal
 import socket
 import sys
+import time
 import traceback
 import types
 from collections.abc import Callable, Iterator
@@ -418,6 +419,8 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
     test_env: environment.Snapshot | None = None
     kept: str | None = None
     outcome: RankOutcome | None = None
+    # The test's threads may end until its bound (the pytest side's deadline for this run).
+    threads_until = time.monotonic() + task.spec.timeout_s - hygiene.REPORT_MARGIN_S
     try:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
         _enter_test_context(task)
@@ -440,7 +443,9 @@ def _run_task(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         left = reaper.leftovers(os.getpid())
         reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
         raw = [f for serial, f in raw_threads.running().items() if serial not in raw_before]
-        outcome.leftovers = hygiene.findings(before, task.spec.hygiene, group_left, left, raw)
+        outcome.leftovers = hygiene.findings(
+            before, task.spec.hygiene, group_left, left, raw, threads_until
+        )
         hygiene.put_back_native_env(before)
         daemons = hygiene.daemons_left(before) if "threads" in task.spec.hygiene else []
         outcome.replace_after = outcome.replace_after or _why_replaced(daemons, unwaited)

@@ -22,7 +22,7 @@ def test_group_left(rank):
     dist.init_process_group("gloo")
     dist.barrier()  # no rank returns (and loses its group) while a peer still connects
 
-@pytest.mark.ranks(2)
+@pytest.mark.ranks(2, timeout=3)  # a thread may run on until the test's bound
 def test_thread_left(rank):
     if rank == 1:
         threading.Thread(target=STOP.wait, args=(30,), name="poller").start()
@@ -53,7 +53,8 @@ def test_next_is_clean(rank):
             "*rank 1 left the process group*",
             "*allow_leftovers*",
             "*ERROR at teardown of test_thread_left*",
-            "*hygiene: rank 1 left non-daemon threads running: poller; join them*",
+            "*hygiene: rank 1 left non-daemon threads running: poller (still running * s after "
+            "the test, at its bound); join them*",
             "*ERROR at teardown of test_env_left*",
             "*hygiene: rank 0 changed environment variables LEFT_BEHIND*",
         ]
@@ -175,3 +176,34 @@ def test_leftover_processes_at_session_end_fail_the_session(inner: pytest.Pytest
     result = inner.runpytest("-p", "harness")
     result.stdout.fnmatch_lines(["*harness: rank processes still alive at session end: [[]*"])
     assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_a_slow_thread_is_waited_for_until_the_tests_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A non-daemon thread the test started ends when it ends (a last flush on a saturated
+    # machine took seconds): flagged after a fixed 5 s, it made a false red. Only one still
+    # running at the test's own bound is left running.
+    import threading
+    import time
+
+    from harness import hygiene
+
+    monkeypatch.setattr(hygiene, "THREAD_END_WAIT_S", 0.01)  # the fixed wait, made short
+    before = hygiene.before_test()
+    slow = threading.Thread(target=threading.Event().wait, args=(0.5,), name="slow-flush")
+    slow.start()
+    checks = frozenset({"threads"})
+    found = hygiene.findings(before, checks, False, threads_until=time.monotonic() + 60)
+    assert "threads" not in found
+    assert not slow.is_alive()
+
+    stuck = threading.Event()
+    never = threading.Thread(target=stuck.wait, args=(60,), name="never-ends")
+    never.start()
+    try:
+        found = hygiene.findings(before, checks, False, threads_until=time.monotonic() + 0.2)
+        assert "never-ends (still running" in found["threads"]
+    finally:
+        stuck.set()
+        never.join()

@@ -186,6 +186,34 @@ def test_the_fork_server_starts_during_collection_once_a_session_started_ranks(
     result.assert_outcomes(passed=2)
 
 
+SETS_TORCH_UP = """
+import torch
+torch.backends.disable_global_flags()  # as torch's test utilities do when imported
+torch.set_default_dtype(torch.float64)
+"""
+
+
+def test_what_preloaded_imports_change_in_torch_is_put_back_for_the_ranks(
+    inner: pytest.Pytester,
+) -> None:
+    # A module one test file imports is preloaded for every rank: its import-time settings
+    # (torch's test utilities freeze the cuDNN flags) reached tests that never import it.
+    _project(inner, sets_torch_up=SETS_TORCH_UP)
+    inner.makepyfile(test_a="import sets_torch_up\n\ndef test_plain():\n    pass\n")
+    inner.makepyfile(
+        test_b="""
+import pytest, torch
+
+
+@pytest.mark.ranks(2)
+def test_ranks_start_with_torchs_defaults(rank):
+    assert torch.get_default_dtype() == torch.float32
+    torch.backends.cudnn.enabled = False  # allowed in a new process
+"""
+    )
+    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+
+
 def test_a_bad_preload_mode_is_a_usage_error(inner: pytest.Pytester) -> None:
     inner.makepyfile("def test_nothing():\n    pass\n")
     result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "everything")
