@@ -7,11 +7,13 @@ The server is one per process; the pytest process starts it when a first pool ne
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import multiprocessing.resource_tracker
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,27 +50,59 @@ class Preloaded:
     modules: int = 0
     seconds: float = 0.0
     threads: int = 0  # threads the imports left running in the server (not in its forks)
+    cuda: str = ""  # the import that initialised CUDA there (the server was then replaced)
     failed: list[str] = field(default_factory=list)
     output: str = ""
 
 
-# A server started before the tests were collected (start_early), and its directory: it
-# waits for the session's list, which the first pool to need it hands over.
-_waiting: tuple[Path, int] | None = None
+@dataclass
+class _Early:
+    """A server started before the tests were collected, until a pool takes it."""
+
+    directory: Path
+    pid: int
+    environ: dict[str, str]  # as it was started with
+    handed: bool = False  # whether it has the session's list yet
+
+
+_waiting: _Early | None = None
 
 
 def start_early(workdir: Path, early: Sequence[str]) -> bool:
     """Start the server now, while pytest collects: its own imports (torch, the worker) and
     `early` (what the last session preloaded) overlap the collection; it then waits for the
-    session's list (`context` hands it over). False when a server already runs."""
+    session's list (hand_over_early). False when a server already runs or the server could
+    not import the harness."""
     global _waiting
-    if _server_pid() is not None:
+    if _server_pid() is not None or not _harness_importable_there():
         return False
     _prepare(multiprocessing.get_context("forkserver"))
     directory = _launch(workdir, early)
     pid = _server_pid()
-    _waiting = None if pid is None else (directory, pid)
+    _waiting = None if pid is None else _Early(directory, pid, dict(os.environ))
     return _waiting is not None
+
+
+def hand_over_early(plan: PreloadPlan) -> None:
+    """Give a server started early the session's list, once the tests are collected: it
+    goes on importing while the session's first tests run. (Until then it serves no fork:
+    multiprocessing's server serves only once its preload is done.)"""
+    if _waiting is None or _waiting.handed or _server_pid() != _waiting.pid:
+        return
+    if dict(plan.environ) != _waiting.environ:
+        # A conftest set a variable while collecting: what the server imported early read
+        # the environment before it. Replaced: the first pool starts one with the session's.
+        _kill_server()
+        return
+    _hand_over(_waiting.directory, plan)
+    _waiting.handed = True
+
+
+def release_early(workdir: Path) -> None:
+    """At a session's end: a server it started early that no pool took is ended (a pytest
+    run inside another keeps the process, and the server's directory goes with the session)."""
+    if _waiting is not None and _waiting.directory.parent == workdir:
+        _kill_server()
 
 
 def context(
@@ -83,20 +117,48 @@ def context(
     if start_method != "forkserver":
         return ctx, None
     _prepare(ctx)
-    waiting, _waiting = _waiting, None
-    modules = plan.modules if plan is not None else ()
-    if waiting is not None and _server_pid() == waiting[1]:
-        directory = waiting[0]
-    elif modules and _server_pid() is None:
+    plan = plan or PreloadPlan((), SERVER_START_S)
+    early, _waiting = _waiting, None
+    if early is not None and _server_pid() == early.pid:
+        directory = early.directory
+        if not early.handed:
+            _hand_over(directory, plan)
+    elif plan.modules and _server_pid() is None and _harness_importable_there():
         directory = _launch(Path(workdir or tempfile.gettempdir()), ())
+        _hand_over(directory, plan)
     else:
         return ctx, None
-    _hand_over(directory, modules)
     pid = _server_pid()
-    bound_s = plan.bound_s if plan is not None else SERVER_START_S
     _wait_for(directory / "started", pid, directory, SERVER_START_S, "")
-    _wait_for(directory / "done", pid, directory, bound_s, " (--rank-import-timeout)")
-    return ctx, _report(directory)
+    _wait_for(directory / "done", pid, directory, plan.bound_s, " (--rank-import-timeout)")
+    found = _report(directory)
+    if found.cuda:
+        _kill_server()  # its forks could not use CUDA; multiprocessing starts a plain one
+    return ctx, found
+
+
+_importable: bool | None = None
+
+
+def _harness_importable_there() -> bool:
+    """Whether a fresh interpreter started as multiprocessing starts the server (this cwd
+    and environment; before Python 3.12 without this process's sys.path) imports this same
+    harness: where it cannot (a checkout found only through pytest's `pythonpath`), nothing
+    is preloaded and the ranks import what they need themselves, as before."""
+    global _importable
+    if _importable is None:
+        here = os.path.realpath(os.path.dirname(__file__))
+        probe = (
+            "import importlib.util as u; s = u.find_spec('harness'); print(s.origin if s else '')"
+        )
+        try:
+            found = subprocess.run(
+                [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            found = ""
+        _importable = bool(found) and os.path.realpath(os.path.dirname(found)) == here
+    return _importable
 
 
 def _prepare(ctx: Any) -> None:
@@ -125,11 +187,14 @@ def _launch(workdir: Path, early: Sequence[str]) -> Path:
     return directory
 
 
-def _hand_over(directory: Path, modules: Sequence[str]) -> None:
-    """The session's list, with sys.path as it is now, in one rename the server waits for."""
+def _hand_over(directory: Path, plan: PreloadPlan) -> None:
+    """The session's list, with sys.path and the environment as they were when the tests
+    were collected, in one rename the server waits for."""
     (directory / "modules.path").write_text("\n".join(sys.path) + "\n")
+    env = directory / "modules.env"  # in the session's 0700 work directory
+    env.write_text(json.dumps(dict(plan.environ)))
     partial = directory / "modules.partial"
-    partial.write_text("\n".join(modules) + "\n")
+    partial.write_text("\n".join(plan.modules) + "\n")
     partial.rename(directory / "modules")
 
 
@@ -150,7 +215,7 @@ def _wait_for(path: Path, pid: int | None, directory: Path, bound_s: float, whic
         # Ended and reaped either way: a server whose main thread is gone while its other
         # threads still exit is not yet reapable, and multiprocessing would take it for
         # running and send the next rank to it.
-        stop_forkserver()
+        _kill_server()
         what = f"was still {doing} after {bound_s:g} s{which}" if alive else f"died {doing}"
         raise ServerStartError(
             f"the fork server {what}; its output:\n{_read(directory / 'output')}\n"
@@ -168,6 +233,8 @@ def _report(directory: Path) -> Preloaded:
             found.seconds = float(value)
         elif key == "threads":
             found.threads = int(value)
+        elif key == "cuda":
+            found.cuda = value
         elif key == "failed":
             found.failed.append(value)
     return found
@@ -215,20 +282,28 @@ TRACKER_STOP_S = 1.0  # it exits in milliseconds unless someone else holds its p
 
 
 def stop_forkserver() -> None:
-    """End multiprocessing's fork server, if this process started one, and reap it.
+    """End multiprocessing's fork server, if this process started one, and reap it; then its
+    resource tracker.
 
     Left alone it ends only once this process has exited and it notices, then spends a
     second or so tearing torch down: a process outliving the session. Its ranks are dead by
     now, so it is killed (a clean stop would cost that second here instead), after whatever
     it adopted from ranks that died (their orphaned children).
     """
+    if _kill_server():
+        _stop_resource_tracker()
+
+
+def _kill_server() -> bool:
+    """Kill and reap the fork server and what is below it; multiprocessing starts a new one
+    when next asked. False when none was started."""
     global _waiting
     _waiting = None
     server: Any = multiprocessing.forkserver._forkserver
     with server._lock:
         pid = getattr(server, "_forkserver_pid", None)
         if pid is None:
-            return
+            return False
         # A rank that died left its children to the server (a subreaper): killed with it,
         # the server would run no step of its own to end them.
         reaper.kill_tree(pid)
@@ -242,7 +317,7 @@ def stop_forkserver() -> None:
             with contextlib.suppress(OSError):
                 os.unlink(address)
         server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
-    _stop_resource_tracker()
+    return True
 
 
 def _stop_resource_tracker() -> None:

@@ -125,6 +125,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session_settings = settings.settings_of(session.config)
     if session_settings.launched is None:
         preload.remember(session, session_settings.preload, session_settings.import_timeout_s)
+        ranks.hand_preload_over(session.config)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -191,8 +192,11 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every pool and make sure no rank process outlived the session."""
-    if ranks.pools_were_started(session.config):
-        preload.record(session.config)  # the next session's fork server starts early
+    # What the next session's fork server imports while pytest collects, if it starts early.
+    ran_tests = session.testscollected > 0 and not session.config.option.collectonly
+    started = ranks.pools_were_started(session.config)
+    if started or ran_tests:
+        preload.record(session.config, started, ranks.preload_failures(session.config))
     left = ranks.close_pools(session.config)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -870,6 +870,7 @@ class Pools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        forkserver.release_early(self._workdir)  # before its directory goes
         shutil.rmtree(self._workdir, ignore_errors=True)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(reaper.alive(p) for p in self.started_pids):

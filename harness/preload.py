@@ -8,13 +8,14 @@ they are imported once per session in the server (rank/forkserver_preload.py), a
 rank of every world size then starts with them loaded: about one fork each.
 
 Only installed and standard-library modules are chosen. The project's own modules (test
-helpers, conftests, an editable install) are still imported in each rank, after the rank
-knows who it is: a module of the project that reads the rank's environment at import time
-keeps reading its own rank. Imports no torch.
+helpers, conftests, its packages, installed or not) are still imported in each rank, after
+the rank knows who it is: a module of the project that reads the rank's environment at
+import time keeps reading its own rank. Imports no torch.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import site
@@ -44,6 +45,7 @@ class PreloadPlan:
 
     modules: tuple[str, ...]
     bound_s: float
+    environ: tuple[tuple[str, str], ...] = ()  # the pytest process's, once tests are collected
 
 
 _plan_key = pytest.StashKey[PreloadPlan]()
@@ -61,8 +63,10 @@ def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
     if mode == "none":
         return
     before = session.config.stash.get(_before_key, _AT_PLUGIN_LOAD)
-    modules = chosen(before, sys.modules, _plugin_packages(session.config))
-    session.config.stash[_plan_key] = PreloadPlan(tuple(modules), bound_s)
+    never = _plugin_packages(session.config) | _project_packages(session.config.rootpath)
+    modules = chosen(before, sys.modules, never)
+    environ = tuple(os.environ.items())
+    session.config.stash[_plan_key] = PreloadPlan(tuple(modules), bound_s, environ)
 
 
 def plan_of(config: pytest.Config) -> PreloadPlan | None:
@@ -88,15 +92,45 @@ def start_early_wanted(config: pytest.Config) -> list[str] | None:
     last = cache.get(CACHE_KEY, None) if cache is not None else None
     if last is None and not session.adopt:
         return None
-    names = last if isinstance(last, list) else []
-    return [n for n in names if isinstance(n, str) and _MODULE_NAME.fullmatch(n)]
+    return _trusted(last) if isinstance(last, list) else []
 
 
-def record(config: pytest.Config) -> None:
-    """Keep this session's list for the next one's early start (it started ranks)."""
+def record(config: pytest.Config, started_ranks: bool, failed: list[str]) -> None:
+    """Keep this session's list, less what could not be preloaded, for the next session's
+    early start; a session that ran tests but started no ranks clears it."""
     plan, cache = plan_of(config), getattr(config, "cache", None)
-    if plan is not None and cache is not None:
-        cache.set(CACHE_KEY, list(plan.modules))
+    if cache is None:
+        return
+    if not started_ranks or plan is None:
+        cache.set(CACHE_KEY, None)
+        return
+    cache.set(CACHE_KEY, [name for name in plan.modules if name not in set(failed)])
+
+
+def _trusted(names: list[object]) -> list[str]:
+    """The cache's names that could have been chosen (see chosen): a module name, under a
+    top-level package installed here, never a __main__ or one of pytest's. pytest's cache
+    is a file in the project: what it lists must not decide what the server runs."""
+    roots = installed_roots()
+    found = []
+    for name in names:
+        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
+            continue
+        parts = name.split(".")
+        if "__main__" in parts or parts[0] in _NEVER:
+            continue
+        if _installed_top(parts[0], roots):
+            found.append(name)
+    return found
+
+
+def _installed_top(top: str, roots: tuple[str, ...]) -> bool:
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        return False
+    origin = spec.origin if spec is not None else None
+    return isinstance(origin, str) and os.path.realpath(origin).startswith(roots)
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
@@ -131,6 +165,21 @@ def installed_roots() -> tuple[str, ...]:
     if site.ENABLE_USER_SITE:
         roots.add(site.getusersitepackages())
     return tuple(sorted({os.path.realpath(root) + os.sep for root in roots}))
+
+
+def _project_packages(rootdir: Path) -> frozenset[str]:
+    """The top-level packages and modules the project itself holds (in its root, src/ or
+    lib/): installed without -e they are in site-packages, and still the project's own."""
+    names = set()
+    for folder in (rootdir, rootdir / "src", rootdir / "lib"):
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.suffix == ".py" or (entry / "__init__.py").is_file():
+                names.add(entry.stem if entry.suffix == ".py" else entry.name)
+    return frozenset(names)
 
 
 def _plugin_packages(config: pytest.Config) -> frozenset[str]:

@@ -232,13 +232,32 @@ def start_server_early(config: pytest.Config) -> None:
     """Start the ranks' fork server while pytest collects, where ranks will likely be
     needed (see preload.start_early_wanted): torch's import overlaps the collection."""
     early = preload.start_early_wanted(config)
-    if early is not None:
+    if early is None:
+        return
+    try:
         pools_of(config).start_server_early(early)
+    except Exception:  # TMPDIR too long, say: the first pool then says so, as it would have
+        return
+
+
+def hand_preload_over(config: pytest.Config) -> None:
+    """Give a fork server started early the session's list, once the tests are collected."""
+    server = sys.modules.get("harness.forkserver")
+    plan = preload.plan_of(config)
+    if server is not None and plan is not None:
+        server.hand_over_early(plan)
 
 
 def pools_were_started(config: pytest.Config) -> bool:
     pools = config.stash.get(_pools_key, None)
     return pools is not None and bool(pools.started_pids)
+
+
+def preload_failures(config: pytest.Config) -> list[str]:
+    """The modules the fork server could not preload this session (by name)."""
+    pools = config.stash.get(_pools_key, None)
+    done = None if pools is None else pools.preloaded
+    return [] if done is None else [line.split(":", 1)[0] for line in done.failed]
 
 
 def take_preload_output(config: pytest.Config) -> str:
@@ -269,6 +288,12 @@ def preload_summary(config: pytest.Config, verbose: bool) -> list[str]:
         lines += [f"  {line}" for line in shown]
         if len(shown) < len(done.failed):
             lines.append(f"  ... {len(done.failed) - len(shown)} more (-v lists them)")
+    if done.cuda:
+        lines.append(
+            f"harness: importing {done.cuda} initialised CUDA in the fork server, whose forks "
+            f"could not use it: the ranks start from a server without the tests' imports "
+            f"(they import them themselves)"
+        )
     if done.threads:
         lines.append(
             f"harness: preloading the tests' imports left {done.threads} thread(s) running in "

@@ -11,10 +11,13 @@ private work directory in PRELOAD_DIR while it starts the server; in it:
   rename, once the tests are collected);
 - ``early.path``, ``modules.path``: the pytest process's sys.path as each list was written,
   one entry per line (multiprocessing's server before Python 3.12 does not take it);
+- ``modules.env``: the pytest process's environment then (JSON), used while importing;
 - ``at``: the module being imported now, for a report if the import never ends;
 - ``output``: what the imports printed (the server's stdout and stderr are pytest's own);
 - ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
-  than the server ran before), then ``failed NAME: ERROR`` lines.
+  than the server ran before), ``cuda NAME`` if importing NAME initialised CUDA (the
+  server is then no use to ranks that need it; the rest is not imported), then
+  ``failed NAME: ERROR`` lines.
 
 A module that fails here is left to the ranks, which import it as they would have. What the
 imports changed in torch's process-wide settings is put back (rank/state.py), and no
@@ -24,8 +27,11 @@ variable of the harness's stays in the server's environment: the ranks inherit b
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
+import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -76,14 +82,14 @@ def preload(directory: Path) -> None:
     (directory / "started").touch()
     at = directory / "at"
     threads_before, started = _threads(), time.monotonic()
-    imported, failed = 0, []
+    imported, failed, cuda = 0, [], ""
     from harness.rank import state  # imported with the worker, before this
 
     with _output_to(directory / "output"), state.torch_globals_kept():
         for phase in ("early", "modules"):  # last session's list while pytest collects
             if phase == "modules" and not _handed_over(directory / phase):
                 break
-            with _path_from(directory / f"{phase}.path"):
+            with _path_from(directory / f"{phase}.path"), _environ_from(directory, phase):
                 for name in _names(directory / phase):
                     if name in sys.modules:
                         imported += 1
@@ -95,15 +101,47 @@ def preload(directory: Path) -> None:
                     except (Exception, SystemExit) as exc:
                         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                         failed.append(f"failed {name}: {error}")
+                    if _cuda_initialized():
+                        cuda = name  # forks of this server could not use CUDA: stop here
+                        break
+            if cuda:
+                break
     lines = [
         f"imported {imported}",
         f"seconds {time.monotonic() - started:.3f}",
         f"threads {max(0, _threads() - threads_before)}",
+        *([f"cuda {cuda}"] if cuda else []),
         *failed,
     ]
     written = directory / "done.partial"
     written.write_text("\n".join(lines) + "\n")
     written.rename(directory / "done")
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+@contextlib.contextmanager
+def _environ_from(directory: Path, phase: str) -> Iterator[None]:
+    """The pytest process's environment as it handed the list over (a conftest may set
+    variables a library reads at import), with torch asked not to initialise CUDA to see
+    whether it is there; this server's own environment after."""
+    saved = dict(os.environ)
+    try:
+        handed = json.loads((directory / f"{phase}.env").read_text())
+    except (OSError, ValueError):
+        handed = None
+    if isinstance(handed, dict):
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in handed.items()})
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _names(path: Path) -> list[str]:
@@ -128,6 +166,20 @@ def _handed_over(path: Path) -> bool:
     return True
 
 
+def _die_with_the_pytest_process(on: bool) -> None:
+    """While it preloads, the server ends with the pytest process that started it (its own
+    watch on pytest starts only once it serves)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if on else 0)
+
+
+_PR_SET_PDEATHSIG = 1
 _directory = os.environ.pop(PRELOAD_DIR, None)
 if _directory:
-    preload(Path(_directory))
+    _die_with_the_pytest_process(True)
+    try:
+        preload(Path(_directory))
+    except Exception:  # its directory removed (the session ended first): serve all the same
+        pass
+    finally:
+        _die_with_the_pytest_process(False)

@@ -4,6 +4,7 @@ hangs is reported as what it is."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -159,6 +160,11 @@ import installed_mod
 def test_a_plain_test_first():  # in the pytest process, before any rank test
     running = multiprocessing.forkserver._forkserver._forkserver_pid is not None
     assert running == (os.environ["EXPECT_EARLY"] == "1")
+    if running:  # it serves the test's own children at once, though no rank asked for it
+        child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
 
 
 @pytest.mark.ranks(2)
@@ -175,15 +181,31 @@ def test_the_fork_server_starts_during_collection_once_a_session_started_ranks(
     # collection; a session that never started ranks starts none early (nor --collect-only).
     _project(inner)
     inner.makepyfile(EARLY)
+    run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
     monkeypatch.setenv("EXPECT_EARLY", "0")
-    inner.runpytest_subprocess("-p", "harness", "--collect-only")
-    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+    run("--collect-only")
+    run().assert_outcomes(passed=2)
     monkeypatch.setenv("EXPECT_EARLY", "1")
-    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+    run().assert_outcomes(passed=2)
     monkeypatch.setenv("EXPECT_EARLY", "0")
     monkeypatch.setenv("EXPECT_PRELOADED", "0")
-    result = inner.runpytest_subprocess("-p", "harness", "--rank-preload", "none")
-    result.assert_outcomes(passed=2)
+    run("--rank-preload", "none").assert_outcomes(passed=2)
+
+
+def test_an_early_server_imports_with_the_environment_the_conftests_set(
+    inner: pytest.Pytester,
+) -> None:
+    # A conftest below the root runs while pytest collects, after the server started: a
+    # library that reads a variable it sets at import must read it in the ranks too.
+    _project(inner, installed="import os\nSEEN = os.environ.get('SET_WHILE_COLLECTING')\n")
+    sub = inner.mkpydir("sub")
+    (sub / "conftest.py").write_text("import os\nos.environ['SET_WHILE_COLLECTING'] = 'yes'\n")
+    (sub / "test_env.py").write_text(
+        "import pytest, installed_mod\n\n\n@pytest.mark.ranks(2)\ndef test_seen(rank):\n"
+        "    assert installed_mod.SEEN == 'yes'\n"
+    )
+    for _ in range(2):  # the second starts its server early (the first started ranks)
+        inner.runpytest_subprocess("-p", "harness", timeout=300).assert_outcomes(passed=1)
 
 
 SETS_TORCH_UP = """
@@ -212,6 +234,22 @@ def test_ranks_start_with_torchs_defaults(rank):
 """
     )
     inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=2)
+
+
+def test_an_import_that_initialises_cuda_in_the_server_is_not_preloaded(
+    inner: pytest.Pytester,
+) -> None:
+    # A fork of a process with CUDA initialised cannot use CUDA: every rank of a GPU suite
+    # would fail. (Simulated: torch's flag set, as an import that calls into CUDA sets it.)
+    touches = IN_THE_SERVER_ONLY.format(action="import torch; torch.cuda._initialized = True")
+    _project(inner, touches_cuda=touches)
+    inner.makepyfile(
+        "import os, pytest, installed_mod, touches_cuda\n\n\n@pytest.mark.ranks(2)\n"
+        "def test_plain_server(rank):\n    assert installed_mod.IMPORTED_IN == os.getpid()\n"
+    )
+    result = inner.runpytest_subprocess("-p", "harness", timeout=300)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["harness: importing touches_cuda initialised CUDA in the fork*"])
 
 
 def test_a_bad_preload_mode_is_a_usage_error(inner: pytest.Pytester) -> None:
