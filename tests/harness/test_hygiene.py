@@ -22,7 +22,7 @@ def test_group_left(rank):
     dist.init_process_group("gloo")
     dist.barrier()  # no rank returns (and loses its group) while a peer still connects
 
-@pytest.mark.ranks(2, timeout=3)  # a thread may run on until the test's bound
+@pytest.mark.ranks(2, timeout=10)  # a thread may run on until the test's bound
 def test_thread_left(rank):
     if rank == 1:
         threading.Thread(target=STOP.wait, args=(30,), name="poller").start()
