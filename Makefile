@@ -43,7 +43,7 @@ test-isolation: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
 
 # make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
-# the same verdicts as on a quiet machine (about half an hour on 2 cores; not in .ci/run).
+# the same verdicts as on a quiet machine (15-25 minutes on 2 cores; not in .ci/run).
 test-loaded: $(STAMP)
 	bash ci/loaded
 
