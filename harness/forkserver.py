@@ -83,6 +83,11 @@ def start_early(workdir: Path, early: Sequence[str]) -> bool:
     return _waiting is not None
 
 
+def early_server_waiting() -> bool:
+    """Whether a server started early still waits for the session's list."""
+    return _waiting is not None and not _waiting.handed
+
+
 def hand_over_early(plan: PreloadPlan) -> None:
     """Give a server started early the session's list, once the tests are collected: it
     goes on importing while the session's first tests run. (Until then it serves no fork:

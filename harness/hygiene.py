@@ -82,11 +82,14 @@ def findings(
             thread.join(max(0.0, deadline - time.monotonic()))
         names = [t.name for t in started if t.is_alive()]
         waited = time.monotonic() - waited_from
-        said = [
-            f"left non-daemon threads running: {', '.join(sorted(names))} (still running "
-            f"{waited:.1f} s after the test, at its bound); join them"
-        ]
-        said = said if names else []
+        said = (
+            [
+                f"left non-daemon threads running: {', '.join(sorted(names))} (still running "
+                f"{waited:.1f} s after the test, at its bound); join them"
+            ]
+            if names
+            else []
+        )
         raw = _raw_threads_left(before, raw_threads or [])
         if raw:
             said.append(raw)

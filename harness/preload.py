@@ -48,6 +48,18 @@ class PreloadPlan:
     environ: tuple[tuple[str, str], ...] = ()  # the pytest process's, once tests are collected
 
 
+@dataclass(frozen=True)
+class _Collected:
+    """What the session had imported once its tests were collected: the names new since
+    before its conftests, sorted out into a plan only when a fork server first needs one
+    (most sessions never start ranks: a realpath per module is not paid at every start)."""
+
+    new: tuple[str, ...]
+    bound_s: float
+    environ: tuple[tuple[str, str], ...]
+
+
+_collected_key = pytest.StashKey[_Collected]()
 _plan_key = pytest.StashKey[PreloadPlan]()
 
 
@@ -63,14 +75,20 @@ def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
     if mode == "none":
         return
     before = session.config.stash.get(_before_key, _AT_PLUGIN_LOAD)
-    never = _plugin_packages(session.config) | _project_packages(session.config.rootpath)
-    modules = chosen(before, sys.modules, never)
-    environ = tuple(os.environ.items())
-    session.config.stash[_plan_key] = PreloadPlan(tuple(modules), bound_s, environ)
+    new = tuple(name for name in sys.modules if name not in before)
+    session.config.stash[_collected_key] = _Collected(new, bound_s, tuple(os.environ.items()))
 
 
 def plan_of(config: pytest.Config) -> PreloadPlan | None:
-    return config.stash.get(_plan_key, None)
+    """The session's plan (None before its tests are collected, or with --rank-preload none)."""
+    plan = config.stash.get(_plan_key, None)
+    collected = config.stash.get(_collected_key, None)
+    if plan is None and collected is not None:
+        never = _plugin_packages(config) | _project_packages(config.rootpath)
+        modules = {name: sys.modules.get(name) for name in collected.new}
+        found = tuple(chosen(frozenset(), modules, never))
+        plan = config.stash[_plan_key] = PreloadPlan(found, collected.bound_s, collected.environ)
+    return plan
 
 
 # pytest's cache: what the last session that started ranks preloaded (module names, JSON).
@@ -98,10 +116,11 @@ def start_early_wanted(config: pytest.Config) -> list[str] | None:
 def record(config: pytest.Config, started_ranks: bool, failed: list[str]) -> None:
     """Keep this session's list, less what could not be preloaded, for the next session's
     early start; a session that ran tests but started no ranks clears it."""
-    plan, cache = plan_of(config), getattr(config, "cache", None)
+    cache = getattr(config, "cache", None)
     if cache is None:
         return
-    if not started_ranks or plan is None:
+    plan = plan_of(config) if started_ranks else None
+    if plan is None:
         cache.set(CACHE_KEY, None)
         return
     cache.set(CACHE_KEY, [name for name in plan.modules if name not in set(failed)])
@@ -142,10 +161,10 @@ def chosen(
 ) -> list[str]:
     """The modules imported since `before` that come from the standard library or an
     installed distribution, in the order their imports began (parents first)."""
-    roots = installed_roots()
+    roots, never = installed_roots(), never | _NEVER
     found = []
     for name, module in list(modules.items()):
-        if name in before or module is None or name.partition(".")[0] in never | _NEVER:
+        if name in before or module is None or name.partition(".")[0] in never:
             continue
         if getattr(module, "__name__", None) != name:
             continue  # an alias another module put there (six.moves, torch.ops.*)

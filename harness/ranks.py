@@ -24,6 +24,7 @@ from harness.outcome import Ending, RankOutcome
 from harness.protocol import RankSpec, Target, encode_args
 
 if TYPE_CHECKING:
+    from harness.forkserver import Preloaded
     from harness.pool import LiveStreams, Pools
 
 
@@ -243,8 +244,10 @@ def start_server_early(config: pytest.Config) -> None:
 def hand_preload_over(config: pytest.Config) -> None:
     """Give a fork server started early the session's list, once the tests are collected."""
     server = sys.modules.get("harness.forkserver")
+    if server is None or not server.early_server_waiting():
+        return
     plan = preload.plan_of(config)
-    if server is not None and plan is not None:
+    if plan is not None:
         server.hand_over_early(plan)
 
 
@@ -253,10 +256,15 @@ def pools_were_started(config: pytest.Config) -> bool:
     return pools is not None and bool(pools.started_pids)
 
 
+def _preloaded(config: pytest.Config) -> Preloaded | None:
+    """What the session's fork server preloaded (None: it preloaded nothing)."""
+    pools = config.stash.get(_pools_key, None)
+    return None if pools is None else pools.preloaded
+
+
 def preload_failures(config: pytest.Config) -> list[str]:
     """The modules the fork server could not preload this session (by name)."""
-    pools = config.stash.get(_pools_key, None)
-    done = None if pools is None else pools.preloaded
+    done = _preloaded(config)
     return [] if done is None else [line.split(":", 1)[0] for line in done.failed]
 
 
@@ -269,8 +277,7 @@ def take_preload_output(config: pytest.Config) -> str:
 def preload_summary(config: pytest.Config, verbose: bool) -> list[str]:
     """Lines for the terminal summary about what the fork server preloaded: the imports it
     could not do, and threads it was left running (always); its figures (under -v)."""
-    pools = config.stash.get(_pools_key, None)
-    done = None if pools is None else pools.preloaded
+    done = _preloaded(config)
     if done is None:
         return []
     lines = []

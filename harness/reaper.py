@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 # Long-lived helpers a process keeps for itself: not a test's leftovers, and killing them
 # would break the worker's later use of them (they exit with it). A helper is a direct child
 # with one of these in its command line; torch's compile workers run a pool of their own.
@@ -34,6 +35,18 @@ def become_subreaper() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def die_with_parent(on: bool = True) -> None:
+    """Have the kernel kill this process when its parent dies (`on`), or no longer. A
+    parent already gone when asked: this process ends now."""
+    if not _ON_LINUX:
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if on else 0)
+    if on and os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def descendants(root: int) -> list[int]:

@@ -27,15 +27,15 @@ variable of the harness's stays in the server's environment: the ranks inherit b
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from harness import reaper
 
 PRELOAD_DIR = "_HARNESS_PRELOAD_DIR"
 
@@ -166,20 +166,14 @@ def _handed_over(path: Path) -> bool:
     return True
 
 
-def _die_with_the_pytest_process(on: bool) -> None:
-    """While it preloads, the server ends with the pytest process that started it (its own
-    watch on pytest starts only once it serves)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if on else 0)
-
-
-_PR_SET_PDEATHSIG = 1
 _directory = os.environ.pop(PRELOAD_DIR, None)
 if _directory:
-    _die_with_the_pytest_process(True)
+    # While it preloads, the server ends with the pytest process that started it (its own
+    # watch on pytest starts only once it serves).
+    reaper.die_with_parent()
     try:
         preload(Path(_directory))
     except Exception:  # its directory removed (the session ended first): serve all the same
         pass
     finally:
-        _die_with_the_pytest_process(False)
+        reaper.die_with_parent(False)

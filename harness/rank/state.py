@@ -177,23 +177,16 @@ def torch_globals_kept() -> Iterator[None]:
     """Put back torch's process-wide settings that imports in the block changed (torch's test
     utilities freeze the cuDNN flags when imported): ranks forked from the fork server after
     it preloaded the tests' imports start as a new process would."""
-    saved = (torch.get_default_dtype(), torch.is_grad_enabled(), _deterministic())
+    saved = (torch.get_default_dtype(), torch.is_grad_enabled(), _deterministic(), _torch_modes())
     backends: Any = torch.backends
-    modes, frozen = _torch_modes(), backends.flags_frozen()
+    frozen = backends.flags_frozen()
     try:
         yield
     finally:
         if not frozen and backends.flags_frozen():
             # torch.backends is a wrapper module: the flag lives in its functions' globals.
             backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-        dtype, grad, (mode, warn_only) = saved
-        if torch.get_default_dtype() != dtype:
-            torch.set_default_dtype(dtype)
-        if torch.is_grad_enabled() != grad:
-            torch.set_grad_enabled(grad)
-        if _deterministic() != (mode, warn_only):
-            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        _restore_torch_modes(modes)
+        _put_back_torch_settings(*saved)
 
 
 def open_streams() -> tuple[Any, Any]:
@@ -232,6 +225,21 @@ def _deterministic() -> tuple[bool, bool]:
     )
 
 
+def _put_back_torch_settings(
+    dtype: torch.dtype, grad: bool, deterministic: tuple[bool, bool], modes: tuple[Any, ...]
+) -> None:
+    """torch's default dtype, grad mode, deterministic algorithms and the settings of
+    _torch_modes, each set only where it differs."""
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
+    if torch.is_grad_enabled() != grad:
+        torch.set_grad_enabled(grad)
+    if _deterministic() != deterministic:
+        mode, warn_only = deterministic
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    _restore_torch_modes(modes)
+
+
 def restore_baseline(base: Baseline, cuda_device: int | None) -> None:
     """Put back everything in `base` that the test changed, and the CUDA device it began on."""
     _restore_fds(base)
@@ -240,18 +248,11 @@ def restore_baseline(base: Baseline, cuda_device: int | None) -> None:
         if getsignal(sig) != handler:
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, handler)
-    if torch.get_default_dtype() != base.dtype:
-        torch.set_default_dtype(base.dtype)
+    _put_back_torch_settings(base.dtype, base.grad, base.deterministic, base.torch_modes)
     if torch.get_num_threads() != base.threads:
         torch.set_num_threads(base.threads)
-    if torch.is_grad_enabled() != base.grad:
-        torch.set_grad_enabled(base.grad)
-    if _deterministic() != base.deterministic:
-        mode, warn_only = base.deterministic
-        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     if _distributed.get_debug_level() != base.debug_level:
         _distributed.set_debug_level(base.debug_level)
-    _restore_torch_modes(base.torch_modes)
     _restore_process(base.process)
     _restore_module_hooks(base.module_hooks)
     torch.set_flush_denormal(False)  # torch's default; it has no getter to compare with

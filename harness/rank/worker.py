@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
 import faulthandler
 import gc
 import importlib
@@ -78,7 +77,6 @@ from harness.rank.private_store import PrivateStore
 from harness.torchrun_env import torchrun_env
 
 endings.skip_frames_of(__file__)
-_PR_SET_PDEATHSIG = 1
 # The group's own timeout stays well past the harness's deadline, so a hang is always caught
 # and reported by the harness (stacks, the collective) before gloo unwinds it.
 GROUP_TIMEOUT_MARGIN_S = 120.0
@@ -88,7 +86,7 @@ def main(conn: Any, files: RankFiles) -> None:
     """Process entry point: serve runs until the pytest side goes away or kills the rank."""
     _release_forkserver()
     _default_ending_signals()
-    _die_with_parent()
+    reaper.die_with_parent()  # no rank outlives pytest
     reaper.become_subreaper()  # what a test starts stays below this rank, to be found
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
     _redirect_output(files)
@@ -172,17 +170,6 @@ def _end_if_a_forked_copy(error: BaseException | None) -> None:
         code = 1
     _flush()
     os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this rank when its parent dies, so no rank outlives pytest."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _default_ending_signals() -> None:
