@@ -74,11 +74,21 @@ class LaunchedPlugin:
         if launched.stopping:
             launched.stop("the launcher is stopping the job", item.session)
             pytest.skip("not run: the launcher is stopping the job")
-        with _fixtures_bounded(launched, item, "set-up"):
+        return (yield)
+
+    # The innermost wrappers (pytest reads only attributes named pytest_*, hence the names):
+    # the timers bound the fixtures alone. What the harness does after them (freeing the
+    # group a failed set-up leaves, agreeing with the peers) has bounds of its own, and may
+    # be in torch.distributed as pytest-timeout's bound passes: not a fixture's hang.
+    @pytest.hookimpl(wrapper=True, trylast=True, specname="pytest_runtest_setup")
+    def pytest_runtest_setup_of_fixtures(self, item: pytest.Item) -> Any:
+        with _fixtures_bounded(self.launched, item, "set-up"):
             return (yield)
 
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    @pytest.hookimpl(wrapper=True, trylast=True, specname="pytest_runtest_teardown")
+    def pytest_runtest_teardown_of_fixtures(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Any:
         with _fixtures_bounded(self.launched, item, "teardown"):
             return (yield)
 

@@ -1087,6 +1087,63 @@ def test_a_plain_test_failing_on_one_rank_releases_its_peers(pytester: pytest.Py
     assert "Timeout" in result.output, result.output
 
 
+TIMED_OUT_SET_UP_THEN_A_SLOW_GROUP_RELEASE = """
+import threading
+import torch.distributed.distributed_c10d as c10d
+
+
+def _release_after_the_fixture_timer(update_default_pg):
+    # The harness frees the group once rank 1's set-up has failed; this release is slow,
+    # as gloo's can be on a busy machine: it lasts until the harness's fixture timer ends.
+    def slow(pg):
+        if pg is None:
+            for thread in threading.enumerate():
+                if thread.name == "harness-fixture-timer":
+                    thread.join(60)
+        update_default_pg(pg)
+
+    return slow
+
+
+@pytest.fixture
+def times_out_on_rank_1(monkeypatch):
+    if os.environ["RANK"] == "1":
+        update = c10d._update_default_pg
+        monkeypatch.setattr(c10d, "_update_default_pg", _release_after_the_fixture_timer(update))
+        threading.Event().wait(60)  # until pytest-timeout's signal fails the set-up
+
+
+@pytest.mark.ranks(2)
+def test_a_set_up_times_out_on_rank_1(rank, times_out_on_rank_1):
+    pass
+
+
+@pytest.mark.ranks(2)
+def test_b_after(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+
+@pytest.mark.slow
+def test_a_set_up_pytest_timeout_failed_is_not_a_hang_while_the_group_is_freed(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest-timeout failed rank 1's fixture; the harness then freed the group (peers
+    blocked on it fail at once) and the fixtures' own timer, ending a moment after
+    pytest-timeout's, found the main thread in torch.distributed: it took the release for
+    a fixture blocked there, reported a hang and ended rank 1's session (seen under load)."""
+    directory = write(pytester, test_slow_release=TIMED_OUT_SET_UP_THEN_A_SLOW_GROUP_RELEASE)
+    result = torchrun(directory, 2, "--timeout", "5")
+    assert junit_cases(result.junit) == {
+        "test_a_set_up_times_out_on_rank_1[ranks2]": "error",
+        "test_b_after[ranks2]": "passed",
+    }, result.output
+    assert "rank 1's set-up failed (Failed: Timeout (>5.0s)" in result.output, result.output
+    assert "still running at pytest-timeout's bound" not in result.output, result.output
+
+
 SET_UP_FAILS_BEFORE_THE_RENDEZVOUS = """
 @pytest.fixture(scope="session")
 def pg():
