@@ -67,7 +67,6 @@ class _Session:
     kinds: dict[type, Kind | None] = field(default_factory=dict)
     not_adopted: dict[str, str] = field(default_factory=dict)  # where -> why
     undo: list[Callable[[], None]] = field(default_factory=list)
-    loaded: set[tuple[tuple[int, ...], str]] = field(default_factory=set)  # (pool, module)
 
 
 _session_key = pytest.StashKey[_Session]()
@@ -335,7 +334,8 @@ def _run_and_judge(
     # The harness's timer bounds the ranks; pytest-timeout's the class's own setUp and
     # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
     with runner.pytest_timeout_paused(item):
-        outcomes = loads = _load_once(item, spec, case)
+        # The class's module (and torch's test utilities) under the import's own bound.
+        outcomes = ranks.load_test_module(item, spec, case)
         if all(o.ok for o in outcomes):
             target = packing.function_target(entry)
             outcomes = ranks.on_warm_ranks(
@@ -343,33 +343,12 @@ def _run_and_judge(
             )
     # What the ranks printed while importing the module: on the first test that loaded it.
     runner.attach_preload_output(item)
-    runner.attach_output(item, loads, during=f"importing {case.module}")
+    runner.attach_import_output(item)
     rank_warnings.reemit(outcomes)
     runner.warn_of_replaced_ranks(item, outcomes)
     runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
     runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
     judge_adopted(item, spec, outcomes)
-
-
-def _load_once(item: pytest.Item, spec: RankSpec, case: Target) -> list[RankOutcome]:
-    """Import the class's module on fresh ranks before the test's own clock starts.
-
-    torch's test utilities take seconds to import; a rank that has not loaded them yet would
-    spend that out of the test's bound, and a short bound would read it as a hang.
-    """
-    from harness.pool import START_TIMEOUT_S, PoolKey
-
-    pool = ranks.pools_of(item.config).get(PoolKey.of(spec))
-    key = (tuple(pool.pids), case.module)
-    loaded = _session(item.config).loaded
-    if key in loaded:
-        return []
-    load_spec = replace(spec, timeout_s=max(spec.timeout_s, START_TIMEOUT_S))
-    target = packing.function_target(adopted.load)
-    outcomes = ranks.on_warm_ranks(item.config, load_spec, target, encode_args((case,), {}))
-    if all(o.ok for o in outcomes):
-        loaded.add(key)
-    return outcomes
 
 
 def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:

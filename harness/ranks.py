@@ -108,7 +108,7 @@ class WarmRanks:
 
     def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
         target = packing.test_target(item)
-        failed = load_test_module(self._config, spec, target)
+        failed = load_test_module(item, spec, target)
         if failed:
             return failed
         return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
@@ -163,10 +163,11 @@ def on_warm_ranks(
     return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
 
 
-def load_test_module(config: pytest.Config, spec: RankSpec, target: Target) -> list[RankOutcome]:
-    """Have the warm ranks for `spec` import `target`'s module before its test runs, once per
+def load_test_module(item: pytest.Item, spec: RankSpec, target: Target) -> list[RankOutcome]:
+    """Have the warm ranks for `spec` import `target`'s module before `item` runs, once per
     ranks and file: a phase with its own bound (--rank-import-timeout), so that a test's
-    timeout bounds its body, not a big library's import. Empty when the module is loaded;
+    timeout bounds its body, not a big library's import. Empty when the module is loaded
+    (what the ranks printed importing it is kept for `item`'s report: take_import_output);
     else every rank's outcome (an import that failed or ran past its bound is the test's
     failure, reported as what it is)."""
     from harness.pool import PoolKey
@@ -174,6 +175,7 @@ def load_test_module(config: pytest.Config, spec: RankSpec, target: Target) -> l
     from harness.settings import settings_of
     from harness.stacks import fold_importlib
 
+    config = item.config
     if target.file is None:
         return []
     pools = pools_of(config)
@@ -190,6 +192,7 @@ def load_test_module(config: pytest.Config, spec: RankSpec, target: Target) -> l
                              encode_args((target,), {}))  # fmt: skip
     if all(o.ok for o in outcomes):
         pools.modules_loaded.add(key)
+        item.stash[_import_output_key] = (target.module, outcomes)
         return []
     for o in outcomes:
         if o.ending is Ending.HUNG and not o.after_failure:
@@ -266,6 +269,18 @@ def preload_failures(config: pytest.Config) -> list[str]:
     """The modules the fork server could not preload this session (by name)."""
     done = _preloaded(config)
     return [] if done is None else [line.split(":", 1)[0] for line in done.failed]
+
+
+_import_output_key = pytest.StashKey[tuple[str, list[RankOutcome]]]()
+
+
+def take_import_output(item: pytest.Item) -> tuple[str, list[RankOutcome]] | None:
+    """The module `item`'s ranks imported before it and their outcomes (with what they
+    printed), once; None when they had it loaded already."""
+    found = item.stash.get(_import_output_key, None)
+    if found is not None:
+        del item.stash[_import_output_key]
+    return found
 
 
 def take_preload_output(config: pytest.Config) -> str:

@@ -32,7 +32,7 @@ from harness.outcome import (
     set_up_failure_text,
 )
 from harness.protocol import RankSpec
-from harness.ranks import WarmRanks, ranks_of, take_preload_output
+from harness.ranks import WarmRanks, ranks_of, take_import_output, take_preload_output
 from harness.settings import settings_of, spec_for_call
 
 _leftovers_key = pytest.StashKey[str]()
@@ -67,6 +67,7 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     record_leftovers(item, outcomes)
     if ranks.reports_output:
         attach_preload_output(item)
+        attach_import_output(item)
         attach_output(item, outcomes)
     judge(item, spec, outcomes)
 
@@ -148,6 +149,15 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = 
             if text:
                 title = f"{stream} [rank {o.rank}]{f' {during}' if during else ''}"
                 item.add_report_section("call", title, text)
+
+
+def attach_import_output(item: pytest.Item) -> None:
+    """What the ranks printed importing the test's module before it (a library's load
+    warnings): on the first test that loaded it there, in sections of their own."""
+    found = take_import_output(item)
+    if found is not None:
+        module, outcomes = found
+        attach_output(item, outcomes, during=f"importing {module}")
 
 
 def attach_preload_output(item: pytest.Item) -> None:

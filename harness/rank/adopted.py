@@ -33,11 +33,6 @@ def find(target: Target) -> Any:
     return holder
 
 
-def load(target: Target) -> None:
-    """Import `target`'s module (and the torch test utilities it imports) on this rank."""
-    find(target)
-
-
 def error_exit_code() -> int:
     """The exit status MultiProcessTestCase gives a rank whose test raised."""
     from torch.testing._internal.common_distributed import MultiProcessTestCase

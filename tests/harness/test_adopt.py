@@ -1279,6 +1279,14 @@ DISTRIBUTED_SELECTION = {
     "broadcast_full_group", "barrier", "barrier_full_group", "reduce_sum", "reduce_sum_twice",
     "all_gather", "all_reduce_sum_cuda",  # the last: a skip on CPU
 }  # fmt: skip
+# The selection, in a conftest: the class's setUp refers to test methods by name.
+SELECTED_BY_NAME = """
+SELECTED = {selected!r}
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = [item for item in items if item.name.removeprefix("test_") in SELECTED]
+"""
 
 
 @pytest.mark.slow
@@ -1287,10 +1295,10 @@ def test_torchs_shipped_distributed_test_passes_adopted_as_it_does_as_it_is(
 ) -> None:
     """Every rank of torch's DistributedTest ends with sys.exit(0), its base's protocol:
     adopted, 10 of 10 tests that pass as they are failed ("called sys.exit(0)")."""
-    from benchmarks.adopt import DISTRIBUTED_CONFTEST, DISTRIBUTED_SOURCE
+    from benchmarks.adopt import DISTRIBUTED_SOURCE
 
-    pytester.makepyfile(test_distributed_spawn=DISTRIBUTED_SOURCE)
-    pytester.makeconftest(DISTRIBUTED_CONFTEST.format(selected=DISTRIBUTED_SELECTION))
+    pytester.makepyfile(test_distributed_spawn=DISTRIBUTED_SOURCE.format(world_size=2))
+    pytester.makeconftest(SELECTED_BY_NAME.format(selected=DISTRIBUTED_SELECTION))
     select = ("-p", "no:cacheprovider", "-W", "ignore", "-rA")
     as_is = pytester.runpytest_subprocess(*select, "-p", "no:harness")
     adopted = pytester.runpytest_subprocess(*select, "-p", "harness", "--rank-adopt", "torch")
@@ -1385,3 +1393,34 @@ def test_an_adopted_dtensor_test_keeps_its_warm_ranks(inner: pytest.Pytester) ->
     inner.makepyfile(test_dtensor_base=DTENSOR_BASE)
     args = ("-p", "harness", "--rank-adopt", "torch", "-W", "error::harness.RanksReplacedWarning")
     inner.runpytest(*args).assert_outcomes(passed=2)
+
+
+SLOW_TO_IMPORT_ADOPTED = (
+    """
+if os.environ.get("HARNESS_RANK_WORKER"):  # in the ranks: an import as slow as a big library's
+    threading.Event().wait(60)
+"""
+    + PROCESS_BASE
+    + """
+
+class TestOne(TwoRanks):
+    def test_all_reduce(self):
+        self.join_group()
+        dist.all_reduce(torch.ones(1))
+"""
+)
+
+
+def test_an_adopted_modules_import_has_the_import_bound_and_says_so(
+    inner: pytest.Pytester,
+) -> None:
+    """The import of an adopted test's module on the ranks was bounded by the test's own
+    timeout (at least 120 s), not --rank-import-timeout as for a ranks test, and a hang
+    there read as the test's ("hung outside any collective", 90 importlib frames)."""
+    inner.makepyfile(test_slow_adopted="import os, threading\n" + SLOW_TO_IMPORT_ADOPTED)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "--rank-import-timeout", "1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*rank ? still importing test_slow_adopted after 1 s (--rank-import-timeout)*"]
+    )
+    assert "<frozen importlib._bootstrap>" not in result.stdout.str()  # folded

@@ -368,6 +368,46 @@ def test_importing_the_test_module_is_not_counted_in_the_tests_bound(
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
 
 
+PRINTS_WHILE_IMPORTED = """
+import os, sys, pytest
+
+if os.environ.get("HARNESS_RANK_WORKER"):  # in the ranks: a library's load warnings
+    print("LOADED IN A RANK", flush=True)
+    print("A LOAD WARNING", file=sys.stderr, flush=True)
+
+
+@pytest.mark.ranks(2)
+def test_first(rank):
+    pass
+
+
+@pytest.mark.ranks(2)
+def test_second(rank):
+    pass
+"""
+
+
+def test_what_the_ranks_print_importing_the_test_module_is_on_the_first_test(
+    inner: pytest.Pytester,
+) -> None:
+    """Since the import is a phase of its own, what the ranks printed while importing the
+    test module (a library's load warnings) was in no report: the phase kept it only when
+    the import failed."""
+    inner.makepyfile(test_prints=PRINTS_WHILE_IMPORTED)
+    result = inner.runpytest("-p", "harness", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_first?ranks2? _*",
+            "*Captured stdout [[]rank 0[]] importing test_prints*",
+            "LOADED IN A RANK",
+            "*Captured stderr [[]rank 1[]] importing test_prints*",
+            "A LOAD WARNING",
+        ]
+    )
+    assert result.stdout.str().count("LOADED IN A RANK") == 2, result.stdout.str()  # once each
+
+
 def test_an_import_past_its_own_bound_is_reported_as_what_it_is(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
