@@ -16,11 +16,13 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import start_processes
 
 from benchmarks._common import Sample
 
@@ -121,7 +123,7 @@ def _small_collective(method: str, rank: int, i: int) -> None:
     import rankwise as rw
 
     if method == "all_reduce":
-        rw.all_reduce("bench", lambda: {"step": i, "rank": rank}, lambda xs: xs)
+        rw.all_reduce("bench", lambda: {"step": i, "rank": rank}, lambda xs: xs[0])
     elif method == "all_gather_object":
         out: list[Any] = [None] * WORLD
         dist.all_gather_object(out, {"step": i, "rank": rank})
@@ -132,13 +134,17 @@ def _small_collective(method: str, rank: int, i: int) -> None:
         dist.broadcast_object_list(box, src=0)
 
 
+def _total(values: list[float]) -> float:
+    return sum(values)
+
+
 def _fail_fast(rank: int, _: Any) -> float:
     import rankwise as rw
 
     dist.barrier()
     start = time.perf_counter()
     with contextlib.suppress(ZeroDivisionError, RuntimeError):
-        rw.all_reduce("step", lambda: 1 / (rank - 1), sum)  # rank 1 divides by zero
+        rw.all_reduce("step", lambda: 1 / (rank - 1), _total)  # rank 1 divides by zero
     return time.perf_counter() - start
 
 
@@ -157,7 +163,7 @@ def _plain_wait(rank: int, _: Any) -> float:
     return time.perf_counter() - start
 
 
-JOBS = {
+JOBS: dict[str, Callable[[int, Any], Any]] = {
     "gather": _gather,
     "gather_times": _gather_times,
     "latency": _latency,
@@ -170,7 +176,7 @@ def run_world(job: str, arg: Any = None) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         results = ctx.SimpleQueue()
-        mp.start_processes(
+        start_processes(  # type: ignore[no-untyped-call]
             _world,
             args=(os.path.join(tmp, "store"), job, arg, results),
             nprocs=WORLD,
