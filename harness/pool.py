@@ -710,7 +710,7 @@ class Pools:
         self._lock = threading.Lock()
         self.secret = signing.new_secret()  # for the keys the ranks write in the store
         # (rank pids, module, file, mtime) of the test modules the ranks have imported.
-        self.modules_loaded: set[tuple[tuple[int, ...], str, str, int]] = set()
+        self.modules_loaded: set[tuple[tuple[int, ...], str, str | None, int | None]] = set()
         self._preload = preload  # the session's preload plan, once its tests are collected
         self._server_asked = False  # whether a pool has asked for the fork server yet
         self.preloaded: forkserver.Preloaded | None = None

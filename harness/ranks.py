@@ -165,22 +165,20 @@ def on_warm_ranks(
 
 def load_test_module(item: pytest.Item, spec: RankSpec, target: Target) -> list[RankOutcome]:
     """Have the warm ranks for `spec` import `target`'s module before `item` runs, once per
-    ranks and file: a phase with its own bound (--rank-import-timeout), so that a test's
-    timeout bounds its body, not a big library's import. Empty when the module is loaded
-    (what the ranks printed importing it is kept for `item`'s report: take_import_output);
-    else every rank's outcome (an import that failed or ran past its bound is the test's
-    failure, reported as what it is)."""
+    ranks and module version: a phase with its own bound (--rank-import-timeout), so that a
+    test's timeout bounds its body, not a big library's import. Empty when the module is
+    loaded (what the ranks printed and warned importing it is kept for `item`'s report:
+    take_import_output); else every rank's outcome (an import that failed or ran past its
+    bound is the test's failure, reported as what it is)."""
     from harness.pool import PoolKey
     from harness.rank import worker
     from harness.settings import settings_of
     from harness.stacks import fold_importlib
 
     config = item.config
-    if target.file is None:
-        return []
     pools = pools_of(config)
-    try:
-        stamp = Path(target.file).stat().st_mtime_ns
+    try:  # a module not named like a test file is imported by name (no file: no stamp)
+        stamp = None if target.file is None else Path(target.file).stat().st_mtime_ns
     except OSError:
         return []
     key = (tuple(pools.get(PoolKey.of(spec)).pids), target.module, target.file, stamp)

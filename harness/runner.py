@@ -60,14 +60,15 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     ranks = ranks_of(item.config)
     spec = with_fixture_faults(item, spec)
     outcomes = ranks.run_test(item, spec)
+    if ranks.reports_output:  # first: what the imports printed is kept whatever comes next
+        attach_preload_output(item)
+        attach_import_output(item)
     stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
     warn_of_replaced_ranks(item, outcomes)
     record_leftovers(item, outcomes)
     if ranks.reports_output:
-        attach_preload_output(item)
-        attach_import_output(item)
         attach_output(item, outcomes)
     judge(item, spec, outcomes)
 
@@ -152,11 +153,13 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = 
 
 
 def attach_import_output(item: pytest.Item) -> None:
-    """What the ranks printed importing the test's module before it (a library's load
-    warnings): on the first test that loaded it there, in sections of their own."""
+    """What the ranks printed and warned importing the test's module before it (a library's
+    load warnings): on the first test that loaded it there, the output in sections of
+    their own."""
     found = take_import_output(item)
     if found is not None:
         module, outcomes = found
+        rank_warnings.reemit(outcomes)
         attach_output(item, outcomes, during=f"importing {module}")
 
 

@@ -708,8 +708,7 @@ def load_test_module(target: Target) -> None:
     """Import `target`'s module as a test's run would (assertions rewritten), ahead of it:
     its own bound then times the body, not the import (see ranks.load_test_module)."""
     _finder.learn(target)
-    if target.file is not None:
-        _load_module(target.module, target.file)
+    _load_module(target.module, target.file)  # by name where it has no test file
 
 
 def _prepare_call(task: RunTask) -> _Call:

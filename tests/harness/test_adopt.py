@@ -1411,16 +1411,21 @@ class TestOne(TwoRanks):
 )
 
 
+@pytest.mark.parametrize("where", ["test_slow_adopted", "slow_cases"])
 def test_an_adopted_modules_import_has_the_import_bound_and_says_so(
-    inner: pytest.Pytester,
+    inner: pytest.Pytester, where: str
 ) -> None:
     """The import of an adopted test's module on the ranks was bounded by the test's own
     timeout (at least 120 s), not --rank-import-timeout as for a ranks test, and a hang
-    there read as the test's ("hung outside any collective", 90 importlib frames)."""
-    inner.makepyfile(test_slow_adopted="import os, threading\n" + SLOW_TO_IMPORT_ADOPTED)
+    there read as the test's ("hung outside any collective", 90 importlib frames). A class
+    from a module not named like a test file (imported into the test module) is loaded
+    through the same phase, by its name."""
+    inner.makepyfile(**{where: "import os, threading\n" + SLOW_TO_IMPORT_ADOPTED})
+    if where != "test_slow_adopted":
+        inner.makepyfile(test_slow_adopted=f"from {where} import TestOne\n")
     result = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "--rank-import-timeout", "1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        ["*rank ? still importing test_slow_adopted after 1 s (--rank-import-timeout)*"]
+        [f"*rank ? still importing {where} after 1 s (--rank-import-timeout)*"]
     )
     assert "<frozen importlib._bootstrap>" not in result.stdout.str()  # folded

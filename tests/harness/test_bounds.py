@@ -369,11 +369,12 @@ def test_importing_the_test_module_is_not_counted_in_the_tests_bound(
 
 
 PRINTS_WHILE_IMPORTED = """
-import os, sys, pytest
+import os, sys, warnings, pytest
 
 if os.environ.get("HARNESS_RANK_WORKER"):  # in the ranks: a library's load warnings
     print("LOADED IN A RANK", flush=True)
     print("A LOAD WARNING", file=sys.stderr, flush=True)
+    warnings.warn("A WARNING ISSUED WHILE LOADING", UserWarning)
 
 
 @pytest.mark.ranks(2)
@@ -406,6 +407,9 @@ def test_what_the_ranks_print_importing_the_test_module_is_on_the_first_test(
         ]
     )
     assert result.stdout.str().count("LOADED IN A RANK") == 2, result.stdout.str()  # once each
+    result.stdout.fnmatch_lines(
+        ["*warnings summary*", "*UserWarning: ?ranks 0, 1? A WARNING ISSUED WHILE LOADING"]
+    )
 
 
 def test_an_import_past_its_own_bound_is_reported_as_what_it_is(
