@@ -341,8 +341,6 @@ def _run_and_judge(
             outcomes = ranks.on_warm_ranks(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
-    # What the ranks printed while importing the module: on the first test that loaded it.
-    runner.attach_preload_output(item)
     runner.attach_import_output(item)
     rank_warnings.reemit(outcomes)
     runner.warn_of_replaced_ranks(item, outcomes)

@@ -50,11 +50,11 @@ class PreloadPlan:
 
 @dataclass(frozen=True)
 class _Collected:
-    """What the session had imported once its tests were collected: the names new since
-    before its conftests, sorted out into a plan only when a fork server first needs one
-    (most sessions never start ranks: a realpath per module is not paid at every start)."""
+    """What the session had imported once its tests were collected, sorted out into a plan
+    only when a fork server first needs one (most sessions never start ranks: a realpath
+    per module is not paid at every start)."""
 
-    new: tuple[str, ...]
+    names: tuple[str, ...]  # sys.modules then
     bound_s: float
     environ: tuple[tuple[str, str], ...]
 
@@ -74,9 +74,8 @@ def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
     """Choose, once the session's tests are collected, what the fork server preloads."""
     if mode == "none":
         return
-    before = session.config.stash.get(_before_key, _AT_PLUGIN_LOAD)
-    new = tuple(name for name in sys.modules if name not in before)
-    session.config.stash[_collected_key] = _Collected(new, bound_s, tuple(os.environ.items()))
+    collected = _Collected(tuple(sys.modules), bound_s, tuple(os.environ.items()))
+    session.config.stash[_collected_key] = collected
 
 
 def plan_of(config: pytest.Config) -> PreloadPlan | None:
@@ -84,9 +83,10 @@ def plan_of(config: pytest.Config) -> PreloadPlan | None:
     plan = config.stash.get(_plan_key, None)
     collected = config.stash.get(_collected_key, None)
     if plan is None and collected is not None:
+        before = config.stash.get(_before_key, _AT_PLUGIN_LOAD)
         never = _plugin_packages(config) | _project_packages(config.rootpath)
-        modules = {name: sys.modules.get(name) for name in collected.new}
-        found = tuple(chosen(frozenset(), modules, never))
+        modules = {name: sys.modules.get(name) for name in collected.names}
+        found = tuple(chosen(before, modules, never))
         plan = config.stash[_plan_key] = PreloadPlan(found, collected.bound_s, collected.environ)
     return plan
 

@@ -61,7 +61,6 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     spec = with_fixture_faults(item, spec)
     outcomes = ranks.run_test(item, spec)
     if ranks.reports_output:  # first: what the imports printed is kept whatever comes next
-        attach_preload_output(item)
         attach_import_output(item)
     stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
@@ -153,22 +152,17 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = 
 
 
 def attach_import_output(item: pytest.Item) -> None:
-    """What the ranks printed and warned importing the test's module before it (a library's
-    load warnings): on the first test that loaded it there, the output in sections of
-    their own."""
+    """What the imports ahead of the test printed and warned (a library's load warnings),
+    each on the first test it came before, the output in sections of its own: the fork
+    server's preload of the tests' imports, then the ranks' import of the test's module."""
+    text = take_preload_output(item.config)
+    if text:
+        item.add_report_section("call", "output [fork server] preloading the tests' imports", text)
     found = take_import_output(item)
     if found is not None:
         module, outcomes = found
         rank_warnings.reemit(outcomes)
         attach_output(item, outcomes, during=f"importing {module}")
-
-
-def attach_preload_output(item: pytest.Item) -> None:
-    """What the fork server printed preloading the tests' imports (a library's load
-    warnings): on the first test whose ranks it started, as a rank's import output is."""
-    text = take_preload_output(item.config)
-    if text:
-        item.add_report_section("call", "output [fork server] preloading the tests' imports", text)
 
 
 def record_leftovers(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
