@@ -368,7 +368,7 @@ def torchrun(world: int, repeats: int = 3) -> Sample:
 
 def pool_start(world: int = 4, repeats: int = 3) -> Sample:
     """Starting a fresh pool of `world` warm ranks (the forkserver already running)."""
-    from harness.pool import PoolKey, Pools
+    from harness.warm.pool import PoolKey, Pools
 
     pools = Pools()
     key = PoolKey(world, "gloo", "forkserver")

@@ -63,7 +63,7 @@ def _per_group(kind: str, where: str, prefix: str, world: int) -> float:
 
 
 def main() -> list[str]:
-    from harness import loopback
+    from harness.common import loopback
 
     server = loopback.store()
     lines = [

@@ -31,8 +31,8 @@ def test_fresh(i, rank):
     pass
 """
 UNSIGNED = """
-import harness.signing
-harness.signing.new_secret = lambda: None  # the benchmark's peer: no secret, no signatures
+import harness.common.signing
+harness.common.signing.new_secret = lambda: None  # the benchmark's peer: no secret, no signatures
 """
 TARGET = 1.05
 

@@ -26,7 +26,7 @@ PYTEST_SIDE = (
     "harness.ranks",
     "harness.packing",
     "harness.settings",
-    "harness.pool",
+    "harness.warm.pool",
     "harness.spawning",
     "harness.adopt",
     "harness.made_in_ranks",

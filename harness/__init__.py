@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.assertions import assert_close_across_ranks, assert_on_all_ranks
-from harness.expect import Expected, aborts, exits, hangs, killed, raises, returns
-from harness.faults import Fault, fault_point
-from harness.outcome import Ending, RankOutcome
+from harness.common.assertions import assert_close_across_ranks, assert_on_all_ranks
+from harness.common.expect import Expected, aborts, exits, hangs, killed, raises, returns
+from harness.common.faults import Fault, fault_point
+from harness.common.outcome import Ending, RankOutcome
 from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
 
 if TYPE_CHECKING:

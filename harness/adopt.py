@@ -30,10 +30,11 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import packing, rank_warnings, ranks, runner
-from harness.errors import SpecError
-from harness.outcome import Ending, RankOutcome
-from harness.protocol import RankSpec, Target, encode_args
+from harness import packing, ranks, runner
+from harness.common import rank_warnings
+from harness.common.errors import SpecError
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
 from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe
+from harness.common.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe
 
 # Fixtures that are per rank themselves and mean nothing here: one that uses any of them is
 # made in each rank. (monkeypatch, tmp_path and tmpdir are made per rank too, but a fixture

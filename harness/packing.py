@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from harness import made_in_ranks
-from harness.errors import SpecError
-from harness.protocol import (
+from harness.common.errors import SpecError
+from harness.common.protocol import (
     RANK_SIDE_FIXTURES,
     FixturePlan,
     FixtureRecipe,

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, preload, ranks, runner, settings
-from harness.errors import HarnessError, SpecError
-from harness.faults import Fault
-from harness.protocol import RankSpec
+from harness import made_in_ranks, packing, ranks, runner, settings
+from harness.common.errors import HarnessError, SpecError
+from harness.common.faults import Fault
+from harness.common.protocol import RankSpec
 from harness.ranks import ranks_of
 from harness.settings import SPEC_ERROR_KEY, SPEC_KEY
+from harness.warm import preload
 
 MARKERS = (
     "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False): run the test "
@@ -27,7 +28,7 @@ MARKERS = (
     "fault(rank=1, kind='raise', at='start', nth=1, exc=None, code=1, signal='SIGKILL', "
     "seconds=1.0): inject a fault on a rank of a ranks test (repeatable; or Fault objects)",
     "expect(...): how each rank must end: expect(returns()), expect(rank=1, does=raises(E), "
-    "others=returns()) or expect({rank: outcome}); see harness.expect",
+    "others=returns()) or expect({rank: outcome}); see the harness docs (docs/harness.md)",
     "allow_leftovers(*kinds): let the test leave 'group', 'threads', 'env' or 'processes' "
     "behind in its ranks (no arguments: all four; processes are killed all the same)",
 )

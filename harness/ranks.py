@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from harness import made_in_ranks, packing, preload
-from harness.outcome import Ending, RankOutcome
-from harness.protocol import RankSpec, Target, encode_args
+from harness import made_in_ranks, packing
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.protocol import RankSpec, Target, encode_args
+from harness.warm import preload
 
 if TYPE_CHECKING:
-    from harness.forkserver import Preloaded
-    from harness.pool import LiveStreams, Pools
+    from harness.warm.forkserver import Preloaded
+    from harness.warm.pool import LiveStreams, Pools
 
 
 class Ranks(Protocol):
@@ -158,7 +159,7 @@ def on_warm_ranks(
     config: pytest.Config, spec: RankSpec, target: Target, args_blob: bytes
 ) -> list[RankOutcome]:
     """Run `target` with the encoded (args, kwargs) on every rank of a warm pool for `spec`."""
-    from harness.pool import RunRequest
+    from harness.warm.pool import RunRequest
 
     return pools_of(config).run(RunRequest(spec, target, args_blob, _live_streams(config)))
 
@@ -170,10 +171,10 @@ def load_test_module(item: pytest.Item, spec: RankSpec, target: Target) -> list[
     loaded (what the ranks printed and warned importing it is kept for `item`'s report:
     take_import_output); else every rank's outcome (an import that failed or ran past its
     bound is the test's failure, reported as what it is)."""
-    from harness.pool import PoolKey
     from harness.rank import worker
     from harness.settings import settings_of
     from harness.stacks import fold_importlib
+    from harness.warm.pool import PoolKey
 
     config = item.config
     pools = pools_of(config)
@@ -207,7 +208,7 @@ def _live_streams(config: pytest.Config) -> LiveStreams | None:
     kept only for the report). Under tee-sys, the streams its capture tees to: written to
     the capture itself, rank output would be shown again as the test's own (tee-sys keeps
     it in the ranks' report sections already)."""
-    from harness.pool import LiveStreams
+    from harness.warm.pool import LiveStreams
 
     method = config.getoption("capture", None)
     if method in ("no", None):  # -s, or -p no:capture (no capture plugin, no option)
@@ -224,7 +225,7 @@ def _live_streams(config: pytest.Config) -> LiveStreams | None:
 
 def pools_of(config: pytest.Config) -> Pools:
     if _pools_key not in config.stash:
-        from harness.pool import Pools
+        from harness.warm.pool import Pools
 
         config.stash[_pools_key] = Pools(lambda: preload.plan_of(config))
     return config.stash[_pools_key]
@@ -244,7 +245,7 @@ def start_server_early(config: pytest.Config) -> None:
 
 def hand_preload_over(config: pytest.Config) -> None:
     """Give a fork server started early the session's list, once the tests are collected."""
-    server = sys.modules.get("harness.forkserver")
+    server = sys.modules.get("harness.warm.forkserver")
     if server is None or not server.early_server_waiting():
         return
     plan = preload.plan_of(config)
@@ -331,6 +332,6 @@ def close_pools(config: pytest.Config) -> list[int]:
 
 def stop_forkserver_if_started() -> None:
     """End the fork server ranks came from, if this process started ranks."""
-    server = sys.modules.get("harness.forkserver")
+    server = sys.modules.get("harness.warm.forkserver")
     if server is not None:
         server.stop_forkserver()

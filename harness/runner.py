@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from _pytest.outcomes import Failed
 
-from harness import expect as expectations
-from harness import faults as fault_specs
-from harness import packing, rank_warnings
-from harness.errors import HarnessError
-from harness.faults import Fault
-from harness.hygiene import CHECKS
-from harness.outcome import (
+from harness import packing
+from harness.common import expect as expectations
+from harness.common import faults as fault_specs
+from harness.common import rank_warnings
+from harness.common.errors import HarnessError
+from harness.common.faults import Fault
+from harness.common.hygiene import CHECKS
+from harness.common.outcome import (
     Ending,
     RankOutcome,
     ReportStyle,
@@ -31,14 +32,14 @@ from harness.outcome import (
     root_cause,
     set_up_failure_text,
 )
-from harness.protocol import RankSpec
+from harness.common.protocol import RankSpec
 from harness.ranks import WarmRanks, ranks_of, take_import_output, take_preload_output
 from harness.settings import settings_of, spec_for_call
 
 _leftovers_key = pytest.StashKey[str]()
 # Set when a rank's fault never fired: the test is written wrong, which no xfail expects.
 _no_xfail_key = pytest.StashKey[bool]()
-FAULT_NOT_REACHED = "harness.faults.FaultNotReached"
+FAULT_NOT_REACHED = "harness.common.faults.FaultNotReached"
 
 
 class RankLeftovers(Exception):

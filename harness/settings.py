@@ -16,13 +16,13 @@ from typing import Any, cast
 
 import pytest
 
-from harness import expect as expectations
-from harness import faults as fault_specs
-from harness import hygiene, launch_detect, rank_warnings
-from harness.endings import SHORT_LOCALS
-from harness.errors import SpecError, invalid
-from harness.launch_detect import Launch
-from harness.protocol import (
+from harness.common import expect as expectations
+from harness.common import faults as fault_specs
+from harness.common import hygiene, launch_detect, rank_warnings
+from harness.common.endings import SHORT_LOCALS
+from harness.common.errors import SpecError, invalid
+from harness.common.launch_detect import Launch
+from harness.common.protocol import (
     BACKENDS,
     START_METHODS,
     Backend,

@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 
-from harness.outcome import Ending, exit_code
-from harness.torchrun_env import torchrun_env
+from harness.common.outcome import Ending, exit_code
+from harness.common.torchrun_env import torchrun_env
 
 
 @pytest.fixture
 def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]:
     """``launch_env(world_size=8, rank=3)``: this process now looks like rank 3 of a launch.
 
-    Sets every variable torchrun sets for its workers (``harness.torchrun_env.VARIABLES``:
+    Sets every variable torchrun sets for its workers (``harness.common.torchrun_env.VARIABLES``:
     WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), before any process group
     exists, and restores them after the test.
     Cannot simulate: the rendezvous (nothing listens on MASTER_PORT, so setting a group up

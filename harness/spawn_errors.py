@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from harness.outcome import RankOutcome
+from harness.common.outcome import RankOutcome
 
 
 class RankRaised(ProcessRaisedException):

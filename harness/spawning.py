@@ -24,12 +24,14 @@ from typing import Any
 
 import pytest
 
-from harness import packing, pool, rank_warnings, ranks, runner
-from harness.errors import SpecError, invalid
-from harness.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
-from harness.protocol import RankSpec, Target, encode_args
+from harness import packing, ranks, runner
+from harness.common import rank_warnings
+from harness.common.errors import SpecError, invalid
+from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
+from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
 from harness.settings import settings_of, timeout_for
+from harness.warm import pool
 
 # What a spawned or pooled rank is checked for afterwards: threads and processes that would
 # meet the next run. A group or environment left behind is reset by the worker, as process

@@ -11,7 +11,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from harness.protocol import DUMP_STACKS_SIGNAL
+from harness.common.protocol import DUMP_STACKS_SIGNAL
 
 STACK_DUMP_WAIT_S = 3.0
 _POLL_S = 0.05

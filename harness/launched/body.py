@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from harness import endings, environment, hygiene, rank_warnings, reaper, runner
-from harness.errors import HarnessError
-from harness.faults import Injector
+from harness import runner
+from harness.common import endings, environment, hygiene, rank_warnings, reaper
+from harness.common.errors import HarnessError
+from harness.common.faults import Injector
+from harness.common.outcome import Ending, RankOutcome, ranks_phrase
+from harness.common.protocol import RankSpec
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
-from harness.outcome import Ending, RankOutcome, ranks_phrase
-from harness.protocol import RankSpec
 
 endings.skip_frames_of(__file__)
 

@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 from _pytest.outcomes import Exit
 
-from harness import faults, ranks, runner
-from harness.launch_detect import Launch
+from harness import ranks, runner
+from harness.common import faults
+from harness.common.launch_detect import Launch
+from harness.common.outcome import RankOutcome, ranks_phrase, report_looks_collateral
+from harness.common.protocol import RankSpec
 from harness.launched import body, records, terminal
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
 from harness.launched.watch import FixtureTimer, Watch
-from harness.outcome import RankOutcome, ranks_phrase, report_looks_collateral
-from harness.protocol import RankSpec
 from harness.settings import SPEC_KEY, settings_of, timeout_for
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from rankwise import _wire
 
-from harness.outcome import Ending, RankOutcome, RankWarning
+from harness.common.outcome import Ending, RankOutcome, RankWarning
 
-_SCHEMA = "harness.outcome/1"
+_SCHEMA = "harness.common.outcome/1"
 
 
 class RecordError(ValueError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import launch_detect
+from harness.common import launch_detect
 
 # Options naming a file a report plugin writes, and their value when off.
 REPORT_FILE_OPTIONS: dict[str, Any] = {

@@ -31,10 +31,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.launch_detect import Launch
+from harness.common.launch_detect import Launch
+from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
 from harness.launched.store import Peers
-from harness.outcome import Ending, RankOutcome, failure_text
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from harness import reaper, signing
-from harness.launch_detect import Launch
+from harness.common import reaper, signing
+from harness.common.launch_detect import Launch
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
 SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone (see _silent)

@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from harness.common.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.launched import records, terminal
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
-from harness.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.stacks import trim_in_process
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Where:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Where]:
-        from harness.faults import rankwise_points
+        from harness.common.faults import rankwise_points
 
         points = rankwise_points()
         if points is not None:

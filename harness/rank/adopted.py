@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from harness import endings
-from harness.outcome import exit_code
-from harness.protocol import Target
+from harness.common import endings
+from harness.common.outcome import exit_code
+from harness.common.protocol import Target
 
 endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 

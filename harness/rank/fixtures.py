@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from _pytest.capture import CaptureFixture
 
-from harness import endings
-from harness.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe, RequestInfo
+from harness.common import endings
+from harness.common.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe, RequestInfo
 
 endings.skip_frames_of(__file__)  # a fixture's traceback starts at its own function
 

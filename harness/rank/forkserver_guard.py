@@ -17,7 +17,7 @@ import signal
 import warnings
 from types import FrameType
 
-from harness import reaper
+from harness.common import reaper
 
 # Signals whose default ends the server without running its exit handlers; a rank sets them
 # back to the default (worker.main): it is forked with the server's handlers.

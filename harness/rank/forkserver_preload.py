@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness import reaper
+from harness.common import reaper
 
 PRELOAD_DIR = "_HARNESS_PRELOAD_DIR"
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.outcome import Messages
-from harness.protocol import COLLECTIVES_KEPT, COUNT_SIZE, FINGERPRINT_SIZE, ISSUED_SIZE
+from harness.common.outcome import Messages
+from harness.common.protocol import COLLECTIVES_KEPT, COUNT_SIZE, FINGERPRINT_SIZE, ISSUED_SIZE
 from harness.rank import group_release
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from harness.protocol import LogCapture
+from harness.common.protocol import LogCapture
 
 # torch.distributed logs every collective's error to loggers it gives a NullHandler (meant
 # for no one): in a rank test each peer's copy of a transport error would show in its log.

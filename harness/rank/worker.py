@@ -1,6 +1,6 @@
 """The code that runs inside a rank process.
 
-Self-contained on purpose: it imports nothing from ``harness.pool`` or ``harness.plugin``, only
+Self-contained on purpose: it imports nothing from ``harness.warm.pool`` or ``harness.plugin``, only
 the message and outcome types both sides share. The forkserver preloads this module, so torch
 is imported once in the server and every rank starts with it already loaded.
 
@@ -42,11 +42,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import endings, environment, hygiene, loopback, rank_warnings, reaper, signing
-from harness.faults import Fault, Injector, rankwise_points
-from harness.launch_detect import IN_RANK_WORKER
-from harness.outcome import Ending, RankOutcome, exit_code
-from harness.protocol import (
+from harness.common import endings, environment, hygiene, loopback, rank_warnings, reaper, signing
+from harness.common.faults import Fault, Injector, rankwise_points
+from harness.common.launch_detect import IN_RANK_WORKER
+from harness.common.outcome import Ending, RankOutcome, exit_code
+from harness.common.protocol import (
     CURRENT_TEST,
     DUMP_STACKS_SIGNAL,
     SIMULATED_SET_UP_FAILURES,
@@ -64,6 +64,7 @@ from harness.protocol import (
     decode_args,
     encode_where,
 )
+from harness.common.torchrun_env import torchrun_env
 from harness.rank import (
     group_release,
     kept_group,
@@ -74,7 +75,6 @@ from harness.rank import (
 )
 from harness.rank.fixtures import RankFixtures
 from harness.rank.private_store import PrivateStore
-from harness.torchrun_env import torchrun_env
 
 endings.skip_frames_of(__file__)
 # The group's own timeout stays well past the harness's deadline, so a hang is always caught

@@ -126,7 +126,7 @@ def test_others_still_run():
 def test_the_abort_code_is_the_one_rankwise_uses() -> None:
     from rankwise._run import ABORT_EXIT_CODE
 
-    from harness.expect import RANKWISE_ABORT_EXIT_CODE
+    from harness.common.expect import RANKWISE_ABORT_EXIT_CODE
 
     assert RANKWISE_ABORT_EXIT_CODE == ABORT_EXIT_CODE
 

@@ -269,7 +269,7 @@ def test_a_fault_exception_that_cannot_reach_a_rank_is_a_declaration_error(
 
 
 def test_a_shared_exception_instance_is_raised_afresh_each_time() -> None:
-    from harness.faults import Fault, Injector, fault_point
+    from harness.common.faults import Fault, Injector, fault_point
 
     shared = OSError("disk full")
     caught: list[OSError] = []

@@ -163,13 +163,13 @@ def test_others_still_run():
 def test_leftover_processes_at_session_end_fail_the_session(inner: pytest.Pytester) -> None:
     inner.makeconftest(
         """
-        import harness.reaper
+        import harness.common.reaper
 
-        real_alive = harness.reaper.alive
-        harness.reaper.alive = lambda pid: True  # pretend no rank would die
+        real_alive = harness.common.reaper.alive
+        harness.common.reaper.alive = lambda pid: True  # pretend no rank would die
 
         def pytest_unconfigure(config):  # after the session's end, which is checked
-            harness.reaper.alive = real_alive
+            harness.common.reaper.alive = real_alive
         """
     )
     inner.makepyfile(HEADER + "\n@pytest.mark.ranks(2)\ndef test_x(rank):\n    pass\n")
@@ -187,7 +187,7 @@ def test_a_slow_thread_is_waited_for_until_the_tests_bound(
     import threading
     import time
 
-    from harness import hygiene
+    from harness.common import hygiene
 
     monkeypatch.setattr(hygiene, "THREAD_END_WAIT_S", 0.01)  # the fixed wait, made short
     before = hygiene.before_test()

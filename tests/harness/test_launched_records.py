@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from harness.common.outcome import Ending, RankOutcome, RankWarning
 from harness.launched import records
-from harness.outcome import Ending, RankOutcome, RankWarning
 
 
 def _full_outcome(value: Any) -> RankOutcome:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from harness import loopback
-from harness.launch_detect import Launch
+from harness.common import loopback
+from harness.common.launch_detect import Launch
 from harness.launched.store import Peers
 
 SECRET = b"a-secret-of-this-user-32-bytes!!"

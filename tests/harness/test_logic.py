@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from harness.outcome import Ending, RankOutcome, diagnose, summary_line
-from harness.pool import _Run
-from harness.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Target
+from harness.common.outcome import Ending, RankOutcome, diagnose, summary_line
+from harness.common.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Target
+from harness.warm.pool import _Run
 
 
 class _FakeProcess:
@@ -85,7 +85,7 @@ def test_a_late_result_of_an_earlier_run_is_never_credited() -> None:
 def test_only_late_results_mean_a_hang() -> None:
     pool = _FakePool(1)
     pool.slots[0].rank_end.send(Message(Kind.RESULT, RankOutcome("old-run", 0, 1, Ending.RETURNED)))
-    import harness.pool as pool_module
+    import harness.warm.pool as pool_module
 
     dumped: list[Any] = []
     original = pool_module.dump_stacks
@@ -105,7 +105,7 @@ def test_live_output_never_echoes_the_last_runs_output_nor_skips_this_ones(tmp_p
     import io
     import threading
 
-    from harness.pool import LiveStreams
+    from harness.warm.pool import LiveStreams
 
     pool = _FakePool(1)
     slot = pool.slots[0]
@@ -203,7 +203,7 @@ def test_a_rank_that_leaves_after_its_failure_is_replaced_before_the_next_run() 
     # A rank whose torn-down group something still holds ends after its result. It used to
     # decide that on its own: the next test, already sent to it, then failed ("exited with
     # status 0"). It now says whether it stays, and the run waits for that.
-    from harness.protocol import Settled
+    from harness.common.protocol import Settled
 
     for leaving in (False, True):
         pool = _FakePool(2)

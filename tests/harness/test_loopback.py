@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from harness import loopback, ranks
+from harness import ranks
+from harness.common import loopback
 
 _LISTEN = "0A"
 _LOOPBACK_V4 = "0100007F"

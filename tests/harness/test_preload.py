@@ -10,18 +10,18 @@ import types
 
 import pytest
 
-from harness import preload
+from harness.warm import preload
 
 # A folder the inner session's conftest declares installed (as site-packages are), holding
 # modules that record which process imported them.
 CONFTEST = """
 import os, sys
 from pathlib import Path
-import harness.preload
+import harness.warm.preload
 
 SITE = Path(__file__).parent / "site"
 sys.path.insert(0, str(SITE))
-harness.preload.installed_roots = lambda: (str(SITE) + os.sep,)
+harness.warm.preload.installed_roots = lambda: (str(SITE) + os.sep,)
 os.environ["TEST_PYTEST_PID"] = str(os.getpid())
 """
 INSTALLED = """

@@ -201,7 +201,7 @@ def test_launch_mode_gives_torchruns_environment_and_no_group(inner: pytest.Pyte
         """
         import os, pytest, torch, torch.distributed as dist
 
-        from harness.torchrun_env import VARIABLES
+        from harness.common.torchrun_env import VARIABLES
 
         @pytest.mark.ranks(4, launch=True)
         @pytest.mark.parametrize("attempt", [1, 2])

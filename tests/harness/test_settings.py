@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from harness.errors import SpecError
-from harness.expect import ExpectationError, Expected, Wanted
-from harness.outcome import Ending, RankOutcome
-from harness.protocol import LogCapture
+from harness.common.errors import SpecError
+from harness.common.expect import ExpectationError, Expected, Wanted
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.protocol import LogCapture
 from harness.settings import (
     DEFAULT_TIMEOUT_S,
     Settings,

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from harness import ranks, signing
+from harness import ranks
+from harness.common import signing
 
 
 def test_a_signed_value_reads_back_and_a_changed_one_does_not() -> None:

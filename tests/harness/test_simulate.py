@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from harness import ThreadedWorldError
-from harness.torchrun_env import VARIABLES
+from harness.common.torchrun_env import VARIABLES
 
 
 def test_launch_env_looks_like_torchrun_and_is_restored(launch_env: Any) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch_detect import IN_RANK_WORKER, LaunchError, detect
+from harness.common.launch_detect import IN_RANK_WORKER, LaunchError, detect
 from tests.harness.conftest import HEADER
 
 LAUNCH_TIMEOUT_S = 240  # torchrun starting 2-4 pytest processes that import torch, on 2 cores
@@ -1346,7 +1346,7 @@ FORGES_THE_STORE = """
 import os, pickle
 from datetime import timedelta
 
-from harness import launch_detect
+from harness.common import launch_detect
 
 
 class Payload:

@@ -857,7 +857,7 @@ def test_the_collective_check_can_be_turned_off(inner: pytest.Pytester) -> None:
 
 
 def test_collectives_are_compared_in_order_and_the_odd_rank_named() -> None:
-    from harness import collective_match
+    from harness.warm import collective_match
 
     alike = {r: (2, {0: "all_reduce [1] float32", 1: "barrier"}) for r in range(3)}
     assert collective_match.find(alike) is None

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.errors import SpecError, invalid
+from harness.common.errors import SpecError, invalid
 
 KINDS = ("raise", "exit", "hard_exit", "signal", "hang", "delay")
 SIGNALS = {

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from harness import endings
-from harness.outcome import RankOutcome, RankWarning, ranks_phrase
-from harness.protocol import WarningFilters
+from harness.common import endings
+from harness.common.outcome import RankOutcome, RankWarning, ranks_phrase
+from harness.common.protocol import WarningFilters
 
 
 def filters_for(config: pytest.Config, node: pytest.Item | None) -> WarningFilters:

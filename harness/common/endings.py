@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, TypeAlias
 
-from harness.outcome import Ending, RankOutcome, exit_code
+from harness.common.outcome import Ending, RankOutcome, exit_code
 
 # pytest's outcome exceptions a test body may raise (pytest.skip, pytest.xfail): their class
 # names, a quick first test before the classes themselves are checked.

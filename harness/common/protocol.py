@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.expect import Expected
-from harness.faults import Fault
-from harness.hygiene import CHECKS
-from harness.outcome import RankOutcome
+from harness.common.expect import Expected
+from harness.common.faults import Fault
+from harness.common.hygiene import CHECKS
+from harness.common.outcome import RankOutcome
 
 Backend = Literal["gloo", "nccl"]
 StartMethod = Literal["forkserver", "spawn", "fork"]

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import reaper
-from harness.preload import PreloadPlan
+from harness.common import reaper
 from harness.rank.forkserver_preload import PRELOAD_DIR
+from harness.warm.preload import PreloadPlan
 
 # Imported by the server before its first fork: every rank starts with them loaded.
 SERVER_PRELOAD = [
@@ -152,7 +152,7 @@ def _harness_importable_there() -> bool:
     is preloaded and the ranks import what they need themselves, as before."""
     global _importable
     if _importable is None:
-        here = os.path.realpath(os.path.dirname(__file__))
+        here = os.path.realpath(os.path.dirname(os.path.dirname(__file__)))  # harness/
         probe = (
             "import importlib.util as u; s = u.find_spec('harness'); print(s.origin if s else '')"
         )

@@ -29,12 +29,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import collective_match, environment, forkserver, loopback, reaper, signing
-from harness.errors import HarnessError
-from harness.hygiene import UNDONE
-from harness.outcome import Ending, RankOutcome, outcome_from_exitcode
-from harness.preload import PreloadPlan
-from harness.protocol import (
+from harness.common import environment, loopback, reaper, signing
+from harness.common.errors import HarnessError
+from harness.common.hygiene import UNDONE
+from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.common.protocol import (
     COUNT_SIZE,
     CURRENT_TEST,
     ISSUED_SIZE,
@@ -53,6 +52,8 @@ from harness.protocol import (
     decode_where,
 )
 from harness.stacks import dump_stacks
+from harness.warm import collective_match, forkserver
+from harness.warm.preload import PreloadPlan
 
 # After one rank fails, how long its peers get to finish before they count as hung. gloo
 # peers fail within milliseconds once the failing rank tears its group down.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.outcome import RankOutcome
+    from harness.common.outcome import RankOutcome
 
 MISMATCH_TYPE = "harness.CollectiveMismatch"
 
@@ -72,7 +72,7 @@ def find(boards: dict[int, tuple[int, dict[int, str]]], since: int = 0) -> Misma
 def blame(mismatch: Mismatch, outcomes: dict[int, RankOutcome]) -> None:
     """Make each odd rank's outcome the failure that names its call (the root cause, as
     it came first); what the rank did after is kept in a note."""
-    from harness.outcome import Ending
+    from harness.common.outcome import Ending
 
     first = min((o.at for o in outcomes.values()), default=0.0)
     for rank in mismatch.odd:

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from harness import environment
-from harness.errors import SpecError, invalid
+from harness.common import environment
+from harness.common.errors import SpecError, invalid
 
 CHECKS = ("group", "threads", "env", "processes")
 # Not a check a test can opt out of: the rank's state after the test could not be restored.

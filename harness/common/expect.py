@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import SpecError, invalid
-from harness.outcome import Ending, RankOutcome, signal_name
+from harness.common.errors import SpecError, invalid
+from harness.common.outcome import Ending, RankOutcome, signal_name
 
 # rankwise.abort()'s exit status (rankwise._run.ABORT_EXIT_CODE; a test pins the two together).
 RANKWISE_ABORT_EXIT_CODE = 70

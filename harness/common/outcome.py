@@ -425,7 +425,7 @@ _PEER_ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")  # gloo names each peer's 
 
 
 class Expectation(Protocol):
-    """One rank's expected end, as harness.expect.Expected provides it."""
+    """One rank's expected end, as harness.common.expect.Expected provides it."""
 
     def matches(self, got: RankOutcome) -> bool: ...
     def describe(self) -> str: ...
