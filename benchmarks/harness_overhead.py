@@ -368,7 +368,8 @@ def torchrun(world: int, repeats: int = 3) -> Sample:
 
 def pool_start(world: int = 4, repeats: int = 3) -> Sample:
     """Starting a fresh pool of `world` warm ranks (the forkserver already running)."""
-    from harness.warm.pool import PoolKey, Pools
+    from harness.warm.pools import Pools
+    from harness.warm.processes import PoolKey
 
     pools = Pools()
     key = PoolKey(world, "gloo", "forkserver")

@@ -30,13 +30,14 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import packing, ranks, runner
+from harness import packing, runner
 from harness.common import rank_warnings
 from harness.common.errors import SpecError
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
 from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
+from harness.warm import session as warm
 
 TORCH_BASES = "torch.testing._internal.common_distributed"
 # The base's own parts the adapter replaces or relies on: a class that overrides one of the
@@ -336,10 +337,10 @@ def _run_and_judge(
     # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
     with runner.pytest_timeout_paused(item):
         # The class's module (and torch's test utilities) under the import's own bound.
-        outcomes = ranks.load_test_module(item, spec, case)
+        outcomes = warm.load_test_module(item, spec, case)
         if all(o.ok for o in outcomes):
             target = packing.function_target(entry)
-            outcomes = ranks.on_warm_ranks(
+            outcomes = warm.on_warm_ranks(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
     runner.attach_import_output(item)

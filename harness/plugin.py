@@ -18,6 +18,7 @@ from harness.common.protocol import RankSpec
 from harness.ranks import ranks_of
 from harness.settings import SPEC_ERROR_KEY, SPEC_KEY
 from harness.warm import preload
+from harness.warm import session as warm
 
 MARKERS = (
     "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False): run the test "
@@ -76,6 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     launch = settings.configure(config).launched
+    ranks.use(config, warm.WarmRanks(config))
     if launch is not None:  # the one question asked: the launch's hooks then answer the rest
         from harness.launched.hooks import LaunchedPlugin
 
@@ -118,7 +120,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection(session: pytest.Session) -> None:
     """Where ranks will likely be needed, their fork server starts now: torch's import (and
     what the last session preloaded) overlaps the collection."""
-    ranks.start_server_early(session.config)
+    warm.start_server_early(session.config)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -126,7 +128,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session_settings = settings.settings_of(session.config)
     if session_settings.launched is None:
         preload.remember(session, session_settings.preload, session_settings.import_timeout_s)
-        ranks.hand_preload_over(session.config)
+        warm.hand_preload_over(session.config)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -195,10 +197,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every pool and make sure no rank process outlived the session."""
     # What the next session's fork server imports while pytest collects, if it starts early.
     ran_tests = session.testscollected > 0 and not session.config.option.collectonly
-    started = ranks.pools_were_started(session.config)
+    started = warm.pools_were_started(session.config)
     if started or ran_tests:
-        preload.record(session.config, started, ranks.preload_failures(session.config))
-    left = ranks.close_pools(session.config)
+        preload.record(session.config, started, warm.preload_failures(session.config))
+    left = warm.close_pools(session.config)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"harness: rank processes still alive at session end: {left}"
@@ -209,15 +211,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     verbose = terminalreporter.config.getoption("verbose", 0) > 0
-    for line in ranks.preload_summary(terminalreporter.config, verbose):
+    for line in warm.preload_summary(terminalreporter.config, verbose):
         terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    ranks.close_pools(config)  # idempotent; covers an interrupted session
+    warm.close_pools(config)  # idempotent; covers an interrupted session
     _sessions.discard(config)
     if not _sessions:  # the last in this process (pytester runs sessions inside another)
-        ranks.stop_forkserver_if_started()
+        warm.stop_forkserver_if_started()
 
 
 # ---- fixtures ------------------------------------------------------------------------------

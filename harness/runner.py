@@ -33,8 +33,9 @@ from harness.common.outcome import (
     set_up_failure_text,
 )
 from harness.common.protocol import RankSpec
-from harness.ranks import WarmRanks, ranks_of, take_import_output, take_preload_output
+from harness.ranks import ranks_of
 from harness.settings import settings_of, spec_for_call
+from harness.warm.session import WarmRanks, take_import_output, take_preload_output
 
 _leftovers_key = pytest.StashKey[str]()
 # Set when a rank's fault never fired: the test is written wrong, which no xfail expects.

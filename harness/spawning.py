@@ -24,14 +24,15 @@ from typing import Any
 
 import pytest
 
-from harness import packing, ranks, runner
+from harness import packing, runner
 from harness.common import rank_warnings
 from harness.common.errors import SpecError, invalid
 from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
 from harness.settings import settings_of, timeout_for
-from harness.warm import pool
+from harness.warm import session as warm
+from harness.warm.run_loop import Cut, failure_grace_s
 
 # What a spawned or pooled rank is checked for afterwards: threads and processes that would
 # meet the next run. A group or environment left behind is reset by the worker, as process
@@ -274,7 +275,10 @@ def spawn(
     )
     blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
     target = packing.function_target(adopted.run_spawned)
-    context = SpawnContext(lambda: ranks.on_warm_ranks(config, spec, target, blob), spec.timeout_s)
+    context = SpawnContext(
+        lambda started, cut: warm.on_warm_ranks(config, spec, target, blob, started, cut),
+        spec.timeout_s,
+    )
     if not join:
         body = next((i for i in reversed(_calling) if i.config is config), None)
         if body is not None:
@@ -293,28 +297,31 @@ def _nprocs(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
     return value
 
 
+# A run of the ranks: told whom to tell the rank processes as it starts, and the handle that
+# may end it early.
+Runner = Callable[[Callable[[list[int]], None], Cut], list[RankOutcome]]
+
+
 class SpawnContext:
     """A started :func:`spawn` run, joined like torch's ``ProcessContext``."""
 
-    def __init__(self, run: Callable[[], list[RankOutcome]], start_bound_s: float) -> None:
+    def __init__(self, run: Runner, start_bound_s: float) -> None:
         self.outcomes: list[RankOutcome] = []
         self._error: BaseException | None = None
         self._joined = False  # a join() saw the run's end (and raised its failure, if any)
-        self._cut = False  # the harness will end it after the grace: its test failed
+        self._cut = Cut()  # the harness ends it after the grace once its test failed
         self._pids: list[int] = []
         self._started = threading.Event()  # the ranks are chosen (or the run ended before)
         self._start_bound_s = start_bound_s
         self._thread = threading.Thread(target=self._run, args=(run,), name="harness-spawn")
         self._thread.start()
 
-    def _run(self, run: Callable[[], list[RankOutcome]]) -> None:
+    def _run(self, run: Runner) -> None:
         try:
-            with pool.telling_starts(self._starting):
-                self.outcomes = run()
+            self.outcomes = run(self._starting, self._cut)
         except BaseException as exc:  # handed to join(), in the caller's thread
             self._error = exc
         finally:
-            pool.forget_cut(threading.get_ident())
             self._started.set()
 
     def _starting(self, pids: list[int]) -> None:
@@ -359,12 +366,9 @@ class SpawnContext:
     def cut_if_running(self, why: str, after_s: float | None = None) -> None:
         """End the run, if it still goes on, `after_s` from now (by default the grace peers of
         a failure get): nobody will join it (or talk to a server it is) now."""
-        if self._cut or self._joined or not self._thread.is_alive():
+        if self._cut.at is not None or self._joined or not self._thread.is_alive():
             return
-        ident = self._thread.ident
-        if ident is not None:
-            pool.cut_short(ident, pool.failure_grace_s() if after_s is None else after_s, why)
-            self._cut = True
+        self._cut.after(failure_grace_s() if after_s is None else after_s, why)
 
     def unjoined_failure(self) -> Exception | None:
         """For a context never joined: wait for its run (bounded by the run's timeout, or by
@@ -377,10 +381,7 @@ class SpawnContext:
             return None
         except Exception as exc:
             failure = exc
-        finally:
-            if self._cut:  # ended: a cut left for its thread would fall on a later run's
-                pool.forget_cut(self._thread.ident or 0)
-        if self._cut and _only_cut_short(self.outcomes):
+        if self._cut.at is not None and _only_cut_short(self.outcomes):
             return None
         return failure
 
@@ -501,7 +502,7 @@ class RankPool:
             {"rank": None, "world_size": None},
         )
         target = packing.function_target(adopted.run_pooled)
-        outcomes = ranks.on_warm_ranks(self._config, self._spec, target, blob)
+        outcomes = warm.on_warm_ranks(self._config, self._spec, target, blob)
         rank_warnings.reemit(outcomes)
         report = failure_text(outcomes) or runner.leftovers_text(outcomes)
         if report is not None:

@@ -1,8 +1,9 @@
 """The code that runs inside a rank process.
 
-Self-contained on purpose: it imports nothing from ``harness.warm.pool`` or ``harness.plugin``, only
-the message and outcome types both sides share. The forkserver preloads this module, so torch
-is imported once in the server and every rank starts with it already loaded.
+Self-contained on purpose: it imports nothing from the pytest side (``harness.warm``,
+``harness.plugin``), only the message and outcome types both sides share. The forkserver
+preloads this module, so torch is imported once in the server and every rank starts with it
+already loaded.
 
 A worker serves one slot (rank) of one pool for many tests: it waits for a ``RUN`` message,
 sets the test's process group up (or torchrun's environment in launch mode), runs the target,
@@ -706,7 +707,7 @@ class _Call:
 
 def load_test_module(target: Target) -> None:
     """Import `target`'s module as a test's run would (assertions rewritten), ahead of it:
-    its own bound then times the body, not the import (see ranks.load_test_module)."""
+    its own bound then times the body, not the import (see warm/session.py's load_test_module)."""
     _finder.learn(target)
     _load_module(target.module, target.file)  # by name where it has no test file
 

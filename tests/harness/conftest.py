@@ -81,5 +81,5 @@ import torch.distributed._functional_collectives  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402
 import torch.distributed.tensor  # noqa: E402,F401
 
-import harness.rank.worker  # noqa: E402,F401
-import harness.warm.pool  # noqa: E402,F401
+import harness.rank.worker  # noqa: E402
+import harness.warm.pools  # noqa: E402,F401

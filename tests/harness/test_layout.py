@@ -63,7 +63,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_the_pytest_side_loads_no_module_of_the_launch() -> None:
-    for module in ("harness.runner", "harness.settings", "harness.warm.pool", "harness.ranks"):
+    for module in ("harness.runner", "harness.settings", "harness.warm.pools", "harness.ranks"):
         assert _loaded_after(f"import {module}") == [], module
 
 

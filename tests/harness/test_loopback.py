@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from harness import ranks
 from harness.common import loopback
+from harness.warm import session as warm_session
 
 _LISTEN = "0A"
 _LOOPBACK_V4 = "0100007F"
@@ -85,7 +85,7 @@ def test_the_work_directory_is_private(run_on_ranks: Any, request: pytest.Fixtur
     """Another local user can read none of what ranks write: the session's work directory
     (each rank's output, stacks and where-buffer live below it) is 0700."""
     run_on_ranks(_nothing, world_size=2)  # the pools and their files exist
-    pools = ranks.pools_of(request.config)
+    pools = warm_session.pools_of(request.config)
     workdir = pools._workdir
     assert _private(workdir)
     rank_dirs = [d for d in workdir.iterdir() if d.is_dir()]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from harness import ranks
 from harness.common import signing
+from harness.warm import session as warm_session
 
 
 def test_a_signed_value_reads_back_and_a_changed_one_does_not() -> None:
@@ -53,7 +53,7 @@ def test_values_another_process_writes_in_the_store_change_no_verdict(
     import torch.distributed as dist
 
     run_on_ranks(_rank, world_size=2)  # the session's store is up
-    pools = ranks.pools_of(request.config)
+    pools = warm_session.pools_of(request.config)
     other = dist.FileStore(pools.store_path, -1)  # type: ignore[attr-defined]
     serial = next(pools._serial)  # the runs to come, as anyone could count them
     for run in range(serial, serial + 40):
@@ -75,7 +75,7 @@ def test_another_user_can_reach_neither_the_store_nor_the_work_directory(
     if other_user.skip_reason() is not None:
         pytest.skip(other_user.skip_reason())
     run_on_ranks(_rank, world_size=2)
-    pools = ranks.pools_of(request.config)
+    pools = warm_session.pools_of(request.config)
     assert Path(pools.store_path).exists()
     tries = other_user.try_to_reach([pools.store_path, str(pools._workdir)])
     assert tries == {pools.store_path: "PermissionError", str(pools._workdir): "PermissionError"}

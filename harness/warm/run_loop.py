@@ -1,0 +1,374 @@
+"""The pytest side of one run on warm ranks: send each rank its task, wait for every rank's
+end within the run's bound, and decide what each ending means.
+
+Its policies live here: the grace a failure's peers get, the collectives compared as they
+go, returned ranks giving a kept group up when a peer lags, a hang's stacks, whether each
+rank stays after a failure. It works on anything shaped like a rank process (RankSlot), so
+its decisions are tested without processes (tests/harness/test_run_loop.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing.connection
+import os
+import pickle
+import select
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness.common.hygiene import UNDONE
+from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.common.protocol import DropGroup, Kind, Message, RankFiles, RunTask
+from harness.stacks import dump_stacks
+from harness.warm import collective_match
+from harness.warm.live_output import LIVE_POLL_S, LiveOutput, tail
+
+# After one rank fails, how long its peers get to finish before they count as hung. gloo
+# peers fail within milliseconds once the failing rank tears its group down.
+FAILURE_GRACE_S = 5.0
+TEST_FAILURE_GRACE = "_HARNESS_TEST_FAILURE_GRACE_S"  # the harness's own tests shorten it
+
+
+def failure_grace_s() -> float:
+    """How long peers of a failure get to finish (FAILURE_GRACE_S, unless a test shortens it)."""
+    return float(os.environ.get(TEST_FAILURE_GRACE, FAILURE_GRACE_S))
+
+
+HELD_GROUP = (
+    "ended after the test: something still holds its torn-down process group (a subgroup "
+    "or DeviceMesh kept in a cache, say), whose sockets only the process's end closes"
+)
+# How long a rank may take to say it stays after a failure or a dropped group: a safety net
+# above its own bounds on the check (group_release.OWN_GROUP_RELEASE_WAIT_S, then garbage
+# collection). It says so in milliseconds; only a rank stuck in the check waits it out.
+SETTLE_S = 90.0
+
+
+class RankSlot(Protocol):
+    """What the loop needs of one rank process: its pipe, its process's sentinel and exit
+    status, the files it writes, and its operations board."""
+
+    rank: int
+    pid: int
+    files: RankFiles
+    conn: Any  # a multiprocessing Connection
+    process: Any  # .sentinel, .join(timeout), .exitcode
+
+    def empty_output(self) -> None: ...
+    def clear_board(self) -> None: ...
+    def read_issued(self) -> int: ...
+    def collectives_called(self) -> int: ...
+    def read_collectives(self) -> tuple[int, dict[int, str]]: ...
+    def read_where(self) -> str: ...
+
+
+class Cut:
+    """A caller's handle to end a run early: at `at` (time.monotonic()) the ranks still
+    running count as hung, with `why` in their note. A harness.spawn(join=False) run whose
+    test failed while it ran: nobody will join it."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.why = ""
+        self.asked_at = 0.0
+
+    def after(self, seconds: float, why: str) -> None:
+        """End the run as hung `seconds` from now unless it ends first."""
+        now = time.monotonic()
+        self.why, self.asked_at, self.at = why, now, now + seconds
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run ended: every rank's outcome in rank order, and whether a rank is suspect
+    (dead, hung, or holding what the next test must not meet): the pool must close."""
+
+    outcomes: list[RankOutcome]
+    must_close: bool
+
+
+class RunLoop:
+    """The pytest side of one run: send, wait for every rank within the deadline, classify.
+
+    It decides, and never acts on its owner: `collect` returns every rank's outcome and
+    whether the pool must close (a rank is suspect), and the pool closes itself.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[RankSlot],
+        tasks: list[RunTask],
+        live: LiveOutput,
+        cut: Cut | None = None,
+        dump: Callable[[dict[int, tuple[int, Path]]], dict[int, str]] = dump_stacks,
+    ) -> None:
+        self._live = live
+        self.slots = list(slots)
+        self.tasks = tasks
+        self.key = tasks[0].key
+        self.timeout_s = tasks[0].spec.timeout_s
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.first_failure_at: float | None = None
+        # When the first rank ended in a way the test did not declare: its peers then get
+        # FAILURE_GRACE_S to finish. An ending the test expects (expect(rank=0, does=...)),
+        # a skip or an xfail leaves them the whole timeout.
+        self.grace_from: float | None = None
+        self._expected = tasks[0].spec.expected
+        self._grace_s = failure_grace_s()
+        self._cut = cut  # the caller may end the run early (harness.spawn's join=False runs)
+        self._dump = dump  # the stuck ranks' stacks, by rank
+        # Every rank's pipe and process sentinel, polled for the whole run: a selector made
+        # per wait (multiprocessing.connection.wait) registers them all again every time.
+        self._poll = select.poll()
+        self._watched: dict[int, tuple[RankSlot, bool]] = {}  # fd -> (slot, is its pipe)
+        self._to_settle: set[int] = set()  # ranks that say whether they stay (Kind.SETTLED)
+        self._compared = 0  # collectives every rank had called, when last compared
+        self._mismatch_found: collective_match.Mismatch | None = None
+
+    def collect(self) -> RunEnd:
+        start = time.monotonic()
+        for slot in self.slots:
+            self._watch(slot)
+            slot.empty_output()
+            slot.clear_board()
+        for slot, task in zip(self.slots, self.tasks, strict=False):
+            try:  # plain pickle: a task needs none of ForkingPickler's reducers
+                slot.conn.send_bytes(pickle.dumps(Message(Kind.RUN, task), pickle.HIGHEST_PROTOCOL))
+            except OSError:  # BrokenPipeError included: the rank is already dead
+                self._record_death(slot)
+        deadline = start + self.timeout_s
+        while len(self.outcomes) < len(self.slots):
+            limit = deadline
+            if self.grace_from is not None:
+                limit = min(deadline, self.grace_from + self._grace_s)
+            cut_at = None if self._cut is None else self._cut.at
+            if cut_at is not None:
+                limit = min(limit, cut_at)
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                self._handle_hang(self._cut if cut_at is not None and cut_at < deadline else None)
+                break
+            self._wait_once(min(remaining, self._poll_s()))
+            self._live.drain()
+            self._drop_kept_groups_if_peers_lag()
+            self._fail_on_a_mismatch()
+        self._live.drain(final=True)
+        self._name_a_mismatch()
+        for slot in self.slots:
+            self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
+            self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
+            self.outcomes[slot.rank].log = tail(slot.files.log).rstrip("\n")
+        # A rank with a thread of the test's still running is not clean for the next test.
+        suspect = any(
+            o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys() or o.replace_after
+            for o in self.outcomes.values()
+        )
+        if not suspect and not self._all_stay():
+            suspect = True  # a rank ends (a group it cannot drop), or never said: replaced
+        return RunEnd([self.outcomes[slot.rank] for slot in self.slots], must_close=suspect)
+
+    def _all_stay(self) -> bool:
+        """Wait for each rank that is to settle (after a failure on it, or a dropped group)
+        to say it stays; False when one ends or says nothing within SETTLE_S, noted as the
+        reason it is replaced. A rank that ended once the next run was sent to it would fail
+        that run."""
+        pending = {s.conn: s for s in self.slots if s.rank in self._to_settle}
+        deadline = time.monotonic() + SETTLE_S
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for slot in pending.values():
+                    self._replaced(slot.rank, f"did not say within {SETTLE_S:g} s whether it stays")
+                return False
+            ready: list[Any] = multiprocessing.connection.wait(list(pending), timeout=left)
+            for conn in ready:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._replaced(pending[conn].rank, "ended after the test")
+                    return False
+                said = message.payload
+                if message.kind is Kind.SETTLED and said.key == self.key:
+                    if said.leaving:
+                        self._replaced(pending[conn].rank, HELD_GROUP)
+                        return False
+                    del pending[conn]
+        return True
+
+    def _replaced(self, rank: int, why: str) -> None:
+        outcome = self.outcomes.get(rank)
+        if outcome is not None and not outcome.replace_after:
+            outcome.replace_after = why
+
+    def _poll_s(self) -> float:
+        """How long one wait may block: short while output streams live or a run is on the
+        harness's group (its kept groups and collectives are watched)."""
+        # On the harness's group, the ranks' collectives are compared as they go: a rank
+        # blocked in one its peers called differently gives no other sign.
+        cuttable = self.tasks[0].spec.bare  # a run without a group (harness.spawn's may be cut)
+        watched = self._live.enabled or self._on_harness_group or cuttable
+        return LIVE_POLL_S if watched else float("inf")
+
+    @property
+    def _on_harness_group(self) -> bool:
+        """Whether the run is on a group the harness sets up (not the test's own: bare or
+        launch mode), whose operations the ranks count on their boards."""
+        return not self.tasks[0].spec.bare and self.tasks[0].launch_port is None
+
+    def _drop_kept_groups_if_peers_lag(self) -> None:
+        """Returned ranks give their kept group up once a peer failed, or once a peer still
+        running has issued more operations on the group in this test than a returned rank
+        did (it waits on a rank that will not answer): that peer then fails at once, as it
+        would had they torn their group down, and no group is kept. A peer that is merely
+        slow (a busy machine) has issued no such operation: it is waited for, up to the
+        test's own bound."""
+        kept = [o for o in self.outcomes.values() if o.kept_group]
+        if not kept or len(self.outcomes) == len(self.slots):
+            return
+        if self.first_failure_at is None and not self._a_peer_waits_on(kept):
+            return
+        for outcome in kept:
+            self._give_group_up(outcome)
+
+    def _give_group_up(self, outcome: RankOutcome) -> None:
+        """Tell a rank that kept its group to tear it down; it then says whether it stays."""
+        outcome.kept_group = None
+        slot = next(s for s in self.slots if s.rank == outcome.rank)
+        with contextlib.suppress(OSError):
+            slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
+            self._to_settle.add(outcome.rank)
+
+    def _a_peer_waits_on(self, returned: list[RankOutcome]) -> bool:
+        """Whether a rank still running has issued an operation no returned rank will match,
+        or the ranks called a collective differently (one may wait for good)."""
+        done = {o.rank for o in returned}
+        least = min(s.read_issued() for s in self.slots if s.rank in done)
+        if any(s.read_issued() > least for s in self._pending()):
+            return True
+        return self._mismatch() is not None
+
+    def _mismatch(self) -> collective_match.Mismatch | None:
+        """The first collective the ranks called differently on the harness's group."""
+        if not self.tasks[0].spec.collective_check or not self._on_harness_group:
+            return None  # turned off, or the test's own group: not counted
+        if self._mismatch_found is not None:
+            return self._mismatch_found
+        reached = min(s.collectives_called() for s in self.slots)
+        if reached <= self._compared:  # what every rank has called, compared already
+            return None
+        boards = {s.rank: s.read_collectives() for s in self.slots}
+        self._mismatch_found = collective_match.find(boards, since=self._compared)
+        self._compared = reached
+        return self._mismatch_found
+
+    def _fail_on_a_mismatch(self) -> None:
+        """Collectives called differently fail the run as a rank's failure does: the ranks
+        still running get the failure grace (they may wait in them for good)."""
+        if self.grace_from is None and self._mismatch() is not None:
+            self.first_failure_at = self.grace_from = time.monotonic()
+
+    def _name_a_mismatch(self) -> None:
+        """A collective called differently: its odd rank is the root cause, and no rank
+        keeps the group (collectives left unmatched on it would meet the next test's)."""
+        mismatch = self._mismatch()
+        if mismatch is None:
+            return
+        collective_match.blame(mismatch, self.outcomes)
+        for outcome in self.outcomes.values():
+            if outcome.kept_group:
+                self._give_group_up(outcome)
+
+    def _pending(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.rank not in self.outcomes]
+
+    def _watch(self, slot: RankSlot) -> None:
+        for fd, is_conn in ((slot.conn.fileno(), True), (slot.process.sentinel, False)):
+            self._poll.register(fd, select.POLLIN)
+            self._watched[fd] = (slot, is_conn)
+
+    def _unwatch(self, rank: int) -> None:
+        for fd, (slot, _) in list(self._watched.items()):
+            if slot.rank == rank:
+                self._poll.unregister(fd)
+                del self._watched[fd]
+
+    def _wait_once(self, timeout: float) -> None:
+        ms = None if math.isinf(timeout) else math.ceil(timeout * 1000)
+        for fd, _ in self._poll.poll(ms):
+            slot, is_conn = self._watched.get(fd, (None, False))
+            if slot is None or slot.rank in self.outcomes:
+                continue
+            if is_conn or slot.conn.poll():
+                self._receive(slot)
+            else:
+                self._record_death(slot)
+
+    def _receive(self, slot: RankSlot) -> None:
+        try:
+            message = slot.conn.recv()
+        except (EOFError, OSError):
+            self._record_death(slot)
+            return
+        outcome = message.payload
+        if message.kind is not Kind.RESULT or outcome.key != self.key:
+            return  # a late answer to an earlier run is never credited to this one
+        self._record(outcome)
+        if outcome.ending is not Ending.RETURNED or outcome.settles:
+            self._to_settle.add(outcome.rank)  # it checks its torn-down group, then says
+
+    def _record_death(self, slot: RankSlot) -> None:
+        slot.process.join(timeout=5)
+        outcome = outcome_from_exitcode(
+            self.key, slot.rank, slot.pid, slot.process.exitcode, time.monotonic()
+        )
+        self._record(outcome)
+
+    def _record(self, outcome: RankOutcome) -> None:
+        self.outcomes[outcome.rank] = outcome
+        self._unwatch(outcome.rank)
+        if not outcome.ok and self.first_failure_at is None:
+            self.first_failure_at = time.monotonic()
+        if self.grace_from is None and self._unexpected(outcome):
+            self.grace_from = time.monotonic()
+
+    def _unexpected(self, outcome: RankOutcome) -> bool:
+        if outcome.ending in (Ending.SKIPPED, Ending.XFAILED):
+            return False
+        if self._expected:
+            return not self._expected[outcome.rank].matches(outcome)
+        return not outcome.ok
+
+    def _handle_hang(self, cut: Cut | None = None) -> None:
+        """Dump the stuck ranks' Python stacks; `collect` then closes the pool. `cut`: the
+        run was cut short (when, and why)."""
+        stuck = self._pending()
+        stacks = self._dump({s.rank: (s.pid, s.files.stacks) for s in stuck})
+        now = time.monotonic()
+        for slot in stuck:
+            outcome = RankOutcome(
+                self.key,
+                slot.rank,
+                slot.pid,
+                Ending.HUNG,
+                at=now,
+                stack=stacks.get(slot.rank, ""),
+                where=slot.read_where(),
+                after_failure=self.grace_from is not None,
+            )
+            if cut is not None:
+                waited = now - cut.asked_at
+                outcome.notes.append(f"still running {waited:.1f} s after {cut.why}; killed")
+            elif self.grace_from is not None:
+                waited = now - self.grace_from
+                outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
+            else:
+                outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
+            self.outcomes[slot.rank] = outcome
+
+
+_NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)
