@@ -30,14 +30,14 @@ def _rss_bytes() -> int:
 
 def _measure(method: str, size_mib: int, results: Any) -> None:
     import torch
-    from rankwise import _wire
+    from rankwise import testing as wire
 
     per_tensor = size_mib * MIB // 8 // 4  # 8 float32 tensors: a state dict's shape
     state = {f"layer{i}.weight": torch.randn(per_tensor) for i in range(8)}
     before = _rss_bytes()
     started = time.perf_counter()
     if method == "encode":
-        data = _wire.encode(state, "benchmark")
+        data = wire.encode(state, "benchmark")
     else:
         buffer = io.BytesIO()
         torch.save(state, buffer)

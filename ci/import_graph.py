@@ -1,12 +1,17 @@
 """The harness's import graph, and the rules its layout keeps (run by tests/test_layout.py).
 
-Every import that runs counts, a function's too (those under ``if TYPE_CHECKING:`` do not).
-Rules:
+Every import counts, a function's and a type checker's (``if TYPE_CHECKING:``) too. Rules,
+by folder, so that a new module is held to them by where it lies:
 - no import circle, so no import runs back up: a module never (even transitively, even
-  from inside a function) imports one that imports it;
+  from inside a function, even for types) imports one that imports it;
+- ``harness/common/`` (used by the pytest process and by the ranks) imports nothing of the
+  harness outside ``harness/common/``;
+- ``harness/rank/`` (runs only inside a rank) imports only ``harness/rank/`` and
+  ``harness/common/``: a rank runs tests, the pytest process judges them;
 - nothing outside ``harness/launched/`` imports it but ``plugin.py``;
-- nothing in ``harness/rank/`` imports the pytest side: a rank runs tests, the pytest
-  process judges them.
+- no module of ``harness/`` or ``lib/`` imports another module's private name (``_x``), or
+  a private module of another package (``rankwise._wire`` from the harness); a package's own
+  private modules are its own (``rankwise._launch`` from ``rankwise._plan``).
 
 ``python ci/import_graph.py`` prints the graph's edges and any broken rule (exit status 1).
 """
@@ -19,38 +24,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "harness"
-# The modules that run in the pytest process only (the rank side may import none of them).
-PYTEST_SIDE = (
-    "harness.plugin",
-    "harness.runner",
-    "harness.ranks",
-    "harness.packing",
-    "harness.settings",
-    "harness.warm.pool",
-    "harness.spawning",
-    "harness.adopt",
-    "harness.made_in_ranks",
-    "harness.simulate",
-    "harness.launched",
-)
+SOURCES = (ROOT / "harness", ROOT / "lib" / "rankwise")
+COMMON = "harness.common"  # both processes
+RANK_SIDE = "harness.rank"  # inside a rank only
+LAUNCH = "harness.launched"  # pytest under torchrun, entered through plugin.py alone
+PYTEST_INTERNALS = "harness.common.pytest_internals"  # the one module that reads _pytest
 
 
-def modules() -> dict[str, Path]:
-    """Every harness module by dotted name."""
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of `package` by dotted name."""
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    top = package.parent
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(top).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = path
     return found
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The harness modules `name` imports when it runs (TYPE_CHECKING blocks left out)."""
+    """The harness modules `name` imports, wherever the import stands."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _running(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(_known(alias.name, known) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -61,20 +58,6 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     found.discard("")
     found.discard(name)
     return found
-
-
-def _running(tree: ast.AST) -> list[ast.AST]:
-    """The nodes of `tree` outside `if TYPE_CHECKING:` blocks."""
-    kept: list[ast.AST] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-            continue
-        kept.append(node)
-        stack.extend(ast.iter_child_nodes(node))
-    return kept
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -125,24 +108,119 @@ def _inside(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
+def _is_package(name: str) -> bool:
+    """A package's __init__ (harness, harness.rank, ...): its rule is in its docstring."""
+    return (ROOT / Path(*name.split(".")) / "__init__.py").exists()
+
+
 def broken_rules(edges: dict[str, set[str]]) -> list[str]:
     broken = [f"import circle: {' -> '.join(c)}" for c in cycles(edges)]
     for name, targets in sorted(edges.items()):
         for target in sorted(targets):
-            launched = _inside(target, "harness.launched") and not _inside(name, "harness.launched")
-            if launched and name != "harness.plugin":
+            if _inside(target, LAUNCH) and not _inside(name, LAUNCH) and name != "harness.plugin":
                 broken.append(f"{name} imports {target}: only plugin.py may import the launch")
-            pytest_side = any(_inside(target, side) for side in PYTEST_SIDE)
-            if _inside(name, "harness.rank") and pytest_side:
-                broken.append(f"{name} imports {target}: the rank side imports no pytest side")
+            if _inside(name, COMMON) and not _inside(target, COMMON) and target != "harness":
+                broken.append(
+                    f"{name} imports {target}: harness/common/ imports nothing outside it"
+                )
+            allowed = _inside(target, RANK_SIDE) or _inside(target, COMMON) or target == "harness"
+            if _inside(name, RANK_SIDE) and not allowed:
+                broken.append(
+                    f"{name} imports {target}: harness/rank/ imports only harness/rank/ and "
+                    f"harness/common/ (the rank side imports no pytest side)"
+                )
     return broken
+
+
+def private_imports() -> list[str]:
+    """Each place a module of harness/ or lib/ imports another module's private name, or a
+    private module of another package."""
+    found: list[str] = []
+    for source in SOURCES:
+        for name, path in modules(source).items():
+            found += _private_in(name, path)
+    return found
+
+
+def _private_in(name: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    found = _private_attributes(tree, package, where)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            names = [alias.name for alias in node.names]
+            found += [f"{where}:{node.lineno} {why}" for why in _from_import(name, base, names)]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                why = _plain_import(name, alias.name)
+                found += [f"{where}:{node.lineno} {why}"] if why else []
+    return found
+
+
+def _from_import(name: str, base: str, names: list[str]) -> list[str]:
+    """Why `from base import names` in module `name` breaks the rule (empty: it does not)."""
+    top, base_top = name.split(".")[0], base.split(".")[0]
+    if base_top == "_pytest":
+        return [] if name == PYTEST_INTERNALS else [f"imports {base}: pytest's private modules"]
+    if base_top not in ("harness", "rankwise"):
+        return []
+    foreign = base_top != top
+    found = []
+    if foreign and any(part.startswith("_") for part in base.split(".")[1:]):
+        found.append(f"imports {base}, another package's private module")
+    own_modules = _MODULE_NAMES.get(top, set())
+    for alias in names:
+        private = alias.startswith("_") and not alias.startswith("__")
+        if private and (foreign or f"{base}.{alias}" not in own_modules):
+            found.append(f"imports {alias} from {base}")
+    return found
+
+
+def _plain_import(name: str, imported: str) -> str:
+    """Why `import imported` in module `name` breaks the rule ("": it does not)."""
+    parts = imported.split(".")
+    if parts[0] == "_pytest" and name != PYTEST_INTERNALS:
+        return f"imports {imported}: pytest's private modules"
+    foreign = parts[0] in ("harness", "rankwise") and parts[0] != name.split(".")[0]
+    if foreign and any(part.startswith("_") for part in parts[1:]):
+        return f"imports {imported}, another package's private module"
+    return ""
+
+
+def _private_attributes(tree: ast.AST, package: str, where: Path) -> list[str]:
+    """`module._name` where `module` is a harness or rankwise module this file imported."""
+    known = _MODULE_NAMES["harness"] | _MODULE_NAMES["rankwise"]
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            bound |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" in known}
+        elif isinstance(node, ast.Import):
+            bound |= {a.asname for a in node.names if a.asname and a.name in known}
+    return [
+        f"{where}:{node.lineno} reads {node.value.id}.{node.attr}, a private name"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in bound
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
+_MODULE_NAMES = {
+    "harness": set(modules(PACKAGE)),
+    "rankwise": set(modules(ROOT / "lib" / "rankwise")),
+}
 
 
 def main() -> int:
     edges = graph()
     for name, targets in sorted(edges.items()):
         print(f"{name} -> {', '.join(sorted(targets)) or '(nothing)'}")
-    broken = broken_rules(edges)
+    broken = broken_rules(edges) + private_imports()
     for line in broken:
         print(f"BROKEN: {line}")
     return 1 if broken else 0

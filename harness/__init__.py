@@ -17,9 +17,23 @@ from harness.common.faults import Fault, fault_point
 from harness.common.outcome import Ending, RankOutcome
 from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
 
+
+def _installed_version() -> str:
+    """The distribution's version (rankwise, which ships the harness), from its metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rankwise")
+    except PackageNotFoundError:  # imported from a source tree nobody installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+
 if TYPE_CHECKING:
+    from harness.kept_pool import RankPool, RankPoolError
     from harness.simulate import ThreadedWorldError
-    from harness.spawning import RankPool, RankPoolError, spawn
+    from harness.spawning import spawn
 
 __all__ = [
     "Ending",
@@ -49,8 +63,8 @@ __all__ = [
 # with filterwarnings = error cannot start when the entry point loads this package.
 _LAZY = {
     "ThreadedWorldError": "harness.simulate",
-    "RankPool": "harness.spawning",
-    "RankPoolError": "harness.spawning",
+    "RankPool": "harness.kept_pool",
+    "RankPoolError": "harness.kept_pool",
     "spawn": "harness.spawning",
 }
 
@@ -73,5 +87,6 @@ pytest_plugins = [
     "harness.simulate",
     "harness.adopt",
     "harness.spawning",
+    "harness.kept_pool",
     "harness.launched.reports",
 ]

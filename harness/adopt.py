@@ -337,18 +337,13 @@ def _run_and_judge(
     # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
     with runner.pytest_timeout_paused(item):
         # The class's module (and torch's test utilities) under the import's own bound.
-        outcomes = warm.load_test_module(item, spec, case)
+        outcomes = warm.import_ahead(item, spec, case)
         if all(o.ok for o in outcomes):
             target = packing.function_target(entry)
             outcomes = warm.on_warm_ranks(
                 item.config, spec, target, encode_args(args, {"rank": None})
             )
-    runner.attach_import_output(item)
-    rank_warnings.reemit(outcomes)
-    runner.warn_of_replaced_ranks(item, outcomes)
-    runner.record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
-    runner.attach_output(item, outcomes)  # every rank's, passing or not, as for a ranks test
-    judge_adopted(item, spec, outcomes)
+    runner.after_body(item, spec, outcomes, judged_by=judge_adopted)
 
 
 def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:

@@ -41,7 +41,7 @@ class MadeInRanks:
         return f"<{self.name}: made in each rank>"
 
 
-def remember(item: pytest.Item) -> None:
+def note_test(item: pytest.Item) -> None:
     """Note which of `item`'s fixtures the ranks make, for skip_in_pytest to find."""
     made = _made_in_ranks(item) if isinstance(item, pytest.Function) else {}
     if made:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from harness import made_in_ranks
+from harness.common import pytest_internals
 from harness.common.errors import SpecError
 from harness.common.protocol import (
     RANK_SIDE_FIXTURES,
@@ -164,9 +165,7 @@ def _sent_value(item: pytest.Function, name: str) -> Any:
     if name in ("tmp_path", "tmpdir"):
         return str(item.funcargs[name])  # each rank makes its own directory below it
     if name == "caplog":  # the level pytest captures at (--log-level, ini log_level)
-        from _pytest.logging import get_log_level_for_setting
-
-        return get_log_level_for_setting(item.config, "log_level")
+        return pytest_internals.log_level(item.config, "log_level")
     if name in RANK_SIDE_FIXTURES and made_in_ranks.is_builtin(_definition(item, name)):
         return None  # the rank makes its own
     return item.funcargs[name]  # a project's own fixture, even one named `device`

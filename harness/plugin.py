@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, ranks, runner, settings
+from harness import made_in_ranks, packing, runner, seam, settings, specs
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
-from harness.ranks import ranks_of
-from harness.settings import SPEC_ERROR_KEY, SPEC_KEY
+from harness.seam import ranks_of
+from harness.specs import SPEC_ERROR_KEY, SPEC_KEY
 from harness.warm import preload
 from harness.warm import session as warm
 
@@ -77,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     launch = settings.configure(config).launched
-    ranks.use(config, warm.WarmRanks(config))
+    seam.use(config, warm.WarmRanks(config))
     if launch is not None:  # the one question asked: the launch's hooks then answer the rest
         from harness.launched.hooks import LaunchedPlugin
 
@@ -92,23 +92,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if mark is None or not mark.args:
         return
     try:
-        sizes = settings.marked_sizes(metafunc.definition, mark)
+        sizes = specs.marked_sizes(metafunc.definition, mark)
     except SpecError:
         return  # left unparametrized: the test errors at set-up with the message
-    metafunc.fixturenames.append(settings.WORLD_PARAM)
-    metafunc.parametrize(settings.WORLD_PARAM, sizes, ids=[f"ranks{n}" for n in sizes])
+    metafunc.fixturenames.append(specs.WORLD_PARAM)
+    metafunc.parametrize(specs.WORLD_PARAM, sizes, ids=[f"ranks{n}" for n in sizes])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session_settings = settings.settings_of(config)
     for item in items:
-        stray = settings.stray_marker(item)
+        stray = specs.stray_marker(item)
         if stray is not None:
             item.stash[SPEC_ERROR_KEY] = stray
         if item.get_closest_marker("ranks") is None or not isinstance(item, pytest.Function):
             continue
         try:
-            item.stash[SPEC_KEY] = settings.spec_for(item, session_settings)
+            item.stash[SPEC_KEY] = specs.spec_for(item, session_settings)
         except SpecError as exc:
             item.stash[SPEC_ERROR_KEY] = str(exc)
             continue
@@ -127,7 +127,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """What the fork server will import before starting ranks: what the tests imported."""
     session_settings = settings.settings_of(session.config)
     if session_settings.launched is None:
-        preload.remember(session, session_settings.preload, session_settings.import_timeout_s)
+        preload.note_collected(session, session_settings.preload, session_settings.import_timeout_s)
         warm.hand_preload_over(session.config)
 
 

@@ -1,6 +1,6 @@
 """Running one test, or one run_on_ranks call, on its ranks and judging how every rank ended.
 
-The ranks are the session's (``ranks.ranks_of``: warm rank processes, or the launch's under
+The ranks are the session's (``seam.ranks_of``: warm rank processes, or the launch's under
 torchrun); what follows a body (warnings, leftovers, output, the verdict) is written once,
 here. Loaded with the plugin; imports no torch.
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from _pytest.outcomes import Failed
 
 from harness import packing
 from harness.common import expect as expectations
@@ -33,8 +32,9 @@ from harness.common.outcome import (
     set_up_failure_text,
 )
 from harness.common.protocol import RankSpec
-from harness.ranks import ranks_of
-from harness.settings import settings_of, spec_for_call
+from harness.seam import ranks_of
+from harness.settings import settings_of
+from harness.specs import spec_for_call
 from harness.warm.session import WarmRanks, take_import_output, take_preload_output
 
 _leftovers_key = pytest.StashKey[str]()
@@ -57,21 +57,38 @@ class RanksReplacedWarning(pytest.PytestWarning):
 
 
 def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
-    """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings:
-    the one sequence after a body, whichever ranks the session runs on."""
+    """Run `item`'s body on every rank of `spec` and pass, skip or fail it by their endings,
+    whichever ranks the session runs on."""
     ranks = ranks_of(item.config)
     spec = with_fixture_faults(item, spec)
     outcomes = ranks.run_test(item, spec)
-    if ranks.reports_output:  # first: what the imports printed is kept whatever comes next
+    after_body(item, spec, outcomes, ranks.reports_output)
+
+
+Judge = Callable[[pytest.Item, RankSpec, list[RankOutcome]], None]
+
+
+def after_body(
+    item: pytest.Item,
+    spec: RankSpec,
+    outcomes: list[RankOutcome],
+    reports_output: bool = True,
+    judged_by: Judge | None = None,
+) -> None:
+    """The one sequence after a body ran on every rank (a ranks test's, an adopted test's):
+    what the ranks printed and warned, returned and left behind, then the verdict
+    (`judged_by`, by default :func:`judge`). `reports_output`: this process attaches the
+    ranks' output to the report (under torchrun only the rank that reports does)."""
+    if reports_output:  # first: what the imports printed is kept whatever comes next
         attach_import_output(item)
     stop_if_a_rank_did(outcomes)  # pytest.exit() on one rank ends every rank's session
     rank_warnings.reemit(outcomes)
     _warn_of_returned_values(item, outcomes)
     warn_of_replaced_ranks(item, outcomes)
-    record_leftovers(item, outcomes)
-    if ranks.reports_output:
+    record_leftovers(item, outcomes)  # a thread or process left: an error at teardown
+    if reports_output:  # every rank's, passing or not, as pytest keeps a plain test's
         attach_output(item, outcomes)
-    judge(item, spec, outcomes)
+    (judged_by or judge)(item, spec, outcomes)
 
 
 def stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
@@ -86,7 +103,7 @@ def stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
             raise KeyboardInterrupt(f"in rank {o.rank}")
 
 
-def _warn_of_returned_values(item: pytest.Function, outcomes: list[RankOutcome]) -> None:
+def _warn_of_returned_values(item: pytest.Item, outcomes: list[RankOutcome]) -> None:
     """pytest's warning for a test function that returns a value, from its ranks."""
     returned = [o for o in outcomes if o.ending is Ending.RETURNED and o.value_repr]
     if returned:
@@ -272,7 +289,7 @@ def _as_the_xfail_marker_expects(
     raised on the root cause's rank, an E, which is what pytest's xfail checks."""
     mark = item.get_closest_marker("xfail")
     raises = mark.kwargs.get("raises") if mark is not None else None
-    failure = Failed(message, pytrace=False)
+    failure = pytest.fail.Exception(message, pytrace=False)
     if raises is None or root is None or root.ending is not Ending.RAISED:
         return failure
     wanted = raises if isinstance(raises, tuple) else (raises,)

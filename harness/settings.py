@@ -1,24 +1,21 @@
-"""What the user asked for: session settings from the command line and ini, and each test's
-spec from its markers. Testable without starting a process; imports no torch.
+"""What the user asked for of the session: its settings from the command line and ini, the
+one timeout precedence, and each value checked where it comes from (specs.py builds a
+test's spec from its markers over these). Testable without starting a process; imports no
+torch.
 
 The session's values are resolved once, in ``pytest_configure``, into a frozen
-:class:`Settings` kept in ``config.stash``; a bad one is a usage error. A bad marker is that
-test's error only: :func:`spec_for` raises :class:`SpecError` and the plugin reports it when
-the test is set up, so a typo in one test never stops the others.
+:class:`Settings` kept in ``config.stash``; a bad one is a usage error naming its origin.
 """
 
 from __future__ import annotations
 
 import os
-import unittest
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
 
-from harness.common import expect as expectations
-from harness.common import faults as fault_specs
-from harness.common import hygiene, launch_detect, rank_warnings
+from harness.common import launch_detect, pytest_internals
 from harness.common.endings import SHORT_LOCALS
 from harness.common.errors import SpecError, invalid
 from harness.common.launch_detect import Launch
@@ -27,7 +24,6 @@ from harness.common.protocol import (
     START_METHODS,
     Backend,
     LogCapture,
-    RankSpec,
     StartMethod,
 )
 
@@ -36,10 +32,6 @@ DEFAULT_TIMEOUT_S = 60.0
 # A rank's import of a test's module, bounded apart from the test: a big library (transformers,
 # torch.distributed.tensor) imported by four ranks at once on a busy machine takes minutes.
 DEFAULT_IMPORT_TIMEOUT_S = 600.0
-WORLD_PARAM = "_harness_world_size"
-RANKS_OPTIONS = ("timeout", "launch", "backend", "fresh_group")
-# Markers that only mean something on a ranks test.
-RANK_TEST_MARKERS = ("fault", "expect", "allow_leftovers")
 
 # (name, help, metavar) of each command-line option; each has an ini key of the same name.
 OPTIONS: list[tuple[str, str, str]] = [
@@ -135,7 +127,10 @@ def configure(config: pytest.Config) -> Settings:
     try:
         settings = Settings(
             ranks=_from_option(
-                config, "ranks", launched.world_size if launched else DEFAULT_RANKS, _world_size
+                config,
+                "ranks",
+                launched.world_size if launched else DEFAULT_RANKS,
+                world_size_value,
             ),
             rank_timeout_s=_from_option(config, "rank_timeout", None, _seconds),
             import_timeout_s=_from_option(
@@ -144,7 +139,7 @@ def configure(config: pytest.Config) -> Settings:
             preload=_from_option(config, "rank_preload", "auto", _preload_mode),
             pytest_timeout_s=_pytest_timeout(config),
             start_method=_from_option(config, "rank_start_method", "forkserver", _start_method),
-            backend=_from_option(config, "rank_backend", _default_backend(launched), _backend),
+            backend=_from_option(config, "rank_backend", _default_backend(launched), backend_value),
             rank_threads=_from_option(config, "rank_threads", None, _threads),
             fresh_group=bool(config.getoption("rank_fresh_group", False))
             or bool(config.getini("rank_fresh_group")),
@@ -187,13 +182,11 @@ def _log_capture(config: pytest.Config) -> LogCapture | None:
     its logging plugin is off (-p no:logging)."""
     if not config.pluginmanager.has_plugin("logging"):
         return None
-    from _pytest.logging import get_log_level_for_setting, get_option_ini
-
     return LogCapture(
-        level=get_log_level_for_setting(config, "log_level"),
-        fmt=get_option_ini(config, "log_format"),
-        datefmt=get_option_ini(config, "log_date_format"),
-        auto_indent=get_option_ini(config, "log_auto_indent"),
+        level=pytest_internals.log_level(config, "log_level"),
+        fmt=pytest_internals.log_ini(config, "log_format"),
+        datefmt=pytest_internals.log_ini(config, "log_date_format"),
+        auto_indent=pytest_internals.log_ini(config, "log_auto_indent"),
     )
 
 
@@ -206,8 +199,6 @@ def _default_backend(launched: Launch | None) -> Backend:
 
 
 # A ranks test's RankSpec, or the error its markers gave, on its item (set at collection).
-SPEC_KEY = pytest.StashKey[RankSpec]()
-SPEC_ERROR_KEY = pytest.StashKey[str]()
 
 
 def settings_of(config: pytest.Config) -> Settings:
@@ -282,7 +273,7 @@ def _pytest_timeout(config: pytest.Config) -> float | None:
 # ---- checked values ---------------------------------------------------------------------
 
 
-def _world_size(value: Any, origin: str) -> int:
+def world_size_value(value: Any, origin: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -294,7 +285,7 @@ def _world_size(value: Any, origin: str) -> int:
 
 def _threads(value: Any, origin: str) -> int:
     try:
-        return _world_size(value, origin)
+        return world_size_value(value, origin)
     except SpecError:
         raise SpecError(invalid("thread count", value, origin, "use an int >= 1")) from None
 
@@ -309,7 +300,7 @@ def _seconds(value: Any, origin: str) -> float:
     return seconds
 
 
-def _backend(value: Any, origin: str) -> Backend:
+def backend_value(value: Any, origin: str) -> Backend:
     if value not in BACKENDS:
         raise SpecError(invalid("backend", value, origin, f"choose one of {', '.join(BACKENDS)}"))
     return cast(Backend, value)
@@ -335,13 +326,13 @@ def _adopters(value: Any, origin: str) -> frozenset[str]:
     return names
 
 
-def _launch(value: Any, origin: str) -> bool:
+def launch_value(value: Any, origin: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(invalid("launch", value, origin, "use True or False"))
     return value
 
 
-def _flag(name: str, mark: pytest.Mark, origin: str) -> bool:
+def flag_value(name: str, mark: pytest.Mark, origin: str) -> bool:
     value = mark.kwargs.get(name, False)
     if not isinstance(value, bool):
         raise SpecError(invalid(name, value, origin, "use True or False"))
@@ -387,157 +378,3 @@ def _turns_pytest_timeout_off(value: Any) -> bool:
         return not isinstance(value, bool) and float(value) <= 0
     except (TypeError, ValueError):
         return False
-
-
-# ---- a test's spec from its markers -------------------------------------------------------
-
-
-def marked_sizes(item: pytest.Item | pytest.Function, mark: pytest.Mark) -> list[int]:
-    """The world sizes `@pytest.mark.ranks(2, 4)` asks for; SpecError for a bad one, or for
-    ranks markers stacked on the test itself (only the closest would apply)."""
-    origin = f"@pytest.mark.ranks on {item.nodeid}"
-    stacked = [m for m in item.own_markers if m.name == "ranks"]
-    if len(stacked) > 1:
-        shown = ", ".join(_shown_marker(m) for m in reversed(stacked))  # as written, top down
-        every = sorted({size for m in stacked for size in m.args}, key=str)
-        raise SpecError(
-            f"{origin} has {len(stacked)} ranks markers ({shown}), of which only one would "
-            f"apply: give one, with every world size to run it at "
-            f"(ranks({', '.join(map(str, every))}))"
-        )
-    return [_world_size(size, origin) for size in mark.args]
-
-
-def _shown_marker(mark: pytest.Mark) -> str:
-    args = [repr(a) for a in mark.args] + [f"{k}={v!r}" for k, v in mark.kwargs.items()]
-    return f"{mark.name}({', '.join(args)})"
-
-
-def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
-    """How a ranks-marked test runs; SpecError naming the marker, the test and the fix."""
-    mark = item.get_closest_marker("ranks")
-    assert mark is not None, item.nodeid
-    origin = f"@pytest.mark.ranks on {item.nodeid}"
-    if item.cls is not None and issubclass(item.cls, unittest.TestCase):
-        raise SpecError(
-            f"{origin} cannot run a unittest.TestCase method on ranks (unittest runs it "
-            f"itself, in the pytest process): make it a test function or a plain test class; "
-            f"a torch MultiProcessTestCase suite runs on ranks with --rank-adopt torch"
-        )
-    unknown = set(mark.kwargs) - set(RANKS_OPTIONS)
-    if unknown:
-        raise SpecError(
-            invalid(
-                "option(s)",
-                sorted(unknown),
-                origin,
-                "use timeout=, launch=, backend= or fresh_group=",
-            )
-        )
-    world_size = _world_size_of(item, mark, settings)
-    backend = mark.kwargs.get("backend")
-    return RankSpec(
-        world_size=world_size,
-        timeout_s=timeout_for(settings, mark.kwargs.get("timeout"), origin, item),
-        backend=settings.backend if backend is None else _backend(backend, origin),
-        start_method=settings.start_method,
-        launch=_launch(mark.kwargs.get("launch", False), origin),
-        fresh_group=settings.fresh_group or _flag("fresh_group", mark, origin),
-        collective_check=settings.collective_check,
-        faults=_marked_faults(item, world_size),
-        expected=_marked_expectations(item, world_size),
-        hygiene=frozenset(hygiene.CHECKS) - _allowed_leftovers(item),
-        warning_filters=rank_warnings.filters_for(item.config, item),
-        threads=settings.threads_for(world_size),
-        assert_verbosity=settings.assert_verbosity,
-        log_capture=settings.log_capture,
-        show_locals=settings.show_locals,
-        stray_warnings=settings.stray_warnings,
-        runxfail=settings.runxfail,
-    )
-
-
-def _world_size_of(item: pytest.Function, mark: pytest.Mark, settings: Settings) -> int:
-    marked_sizes(item, mark)  # checked again: a bad size left the test unparametrized
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and WORLD_PARAM in callspec.params:
-        return int(callspec.params[WORLD_PARAM])
-    return settings.ranks
-
-
-def stray_marker(item: pytest.Item) -> str | None:
-    """The error for a fault/expect/allow_leftovers marker on a test without ranks, or None."""
-    if item.get_closest_marker("ranks") is not None:
-        return None
-    for name in RANK_TEST_MARKERS:
-        if item.get_closest_marker(name) is not None:
-            return (
-                f"the {name} marker on {item.nodeid} applies only to a test marked "
-                f"@pytest.mark.ranks: add @pytest.mark.ranks(N), or remove the {name} marker"
-            )
-    return None
-
-
-def _marked_faults(item: pytest.Function, world_size: int) -> tuple[fault_specs.Fault, ...]:
-    origin = f"the fault marker on {item.nodeid}"
-    found: list[fault_specs.Fault] = []
-    for mark in item.iter_markers("fault"):
-        try:
-            found += fault_specs.from_marker(mark.args, mark.kwargs)
-        except (TypeError, fault_specs.FaultError) as exc:
-            raise fault_specs.FaultError(f"{exc}, in {origin}") from None
-    return tuple(fault_specs.validate(f, world_size, origin) for f in found)
-
-
-def _marked_expectations(
-    item: pytest.Function, world_size: int
-) -> tuple[expectations.Expected, ...]:
-    mark = item.get_closest_marker("expect")
-    if mark is None:
-        return ()
-    origin = f"the expect marker on {item.nodeid}"
-    return tuple(expectations.from_marker(mark.args, mark.kwargs, world_size, origin))
-
-
-def _allowed_leftovers(item: pytest.Function) -> frozenset[str]:
-    mark = item.get_closest_marker("allow_leftovers")
-    if mark is None:
-        return frozenset()
-    return hygiene.parse_allowed(mark.args, f"the allow_leftovers marker on {item.nodeid}")
-
-
-# ---- run_on_ranks's arguments -------------------------------------------------------------
-
-
-def spec_for_call(
-    config: pytest.Config,
-    settings: Settings,
-    node: pytest.Item | None,
-    world_size: int | None,
-    timeout: float | None,
-    launch: bool,
-    backend: str | None,
-    faults: Any,
-) -> RankSpec:
-    """The spec of one run_on_ranks call; SpecError (a ValueError) naming the argument."""
-    size = _world_size(
-        world_size if world_size is not None else settings.ranks, "run_on_ranks(world_size=...)"
-    )
-    return RankSpec(
-        world_size=size,
-        timeout_s=timeout_for(settings, timeout, "run_on_ranks(timeout=...)", node),
-        backend=settings.backend
-        if backend is None
-        else _backend(backend, "run_on_ranks(backend=...)"),
-        start_method=settings.start_method,
-        launch=_launch(launch, "run_on_ranks(launch=...)"),
-        faults=tuple(fault_specs.validate(f, size, "run_on_ranks(faults=...)") for f in faults),
-        warning_filters=rank_warnings.filters_for(config, node),
-        threads=settings.threads_for(size),
-        fresh_group=settings.fresh_group,
-        collective_check=settings.collective_check,
-        assert_verbosity=settings.assert_verbosity,
-        show_locals=settings.show_locals,
-        stray_warnings=settings.stray_warnings,
-        runxfail=settings.runxfail,
-    )

@@ -1,16 +1,14 @@
-"""Drop-ins for the two other common launchers: ``torch.multiprocessing.spawn`` and a
-hand-written pool of processes that keeps one group.
+"""``harness.spawn``: the drop-in for ``torch.multiprocessing.spawn`` on warm ranks.
 
 ``harness.spawn(fn, args, nprocs)`` runs ``fn(i, *args)`` on warm ranks with no group set up
 (``fn`` sets its own, as under spawn), bounded by the harness's timeout, and raises torch's own
-exception types (subclasses carrying the harness's report), root cause first. The
-``rank_pool`` fixture (or :class:`RankPool`) calls ``fn(rank, world_size, *args, **kwargs)``
-on every rank, inside a process group the harness sets up for that call; a failure raises the
-report and the next call gets a working group on healthy ranks.
+exception types (subclasses carrying the harness's report), root cause first. The other
+common launcher, a hand-written pool of processes, has its drop-in in kept_pool.py.
 
-Both run from the pytest process of the current session (any test, marked or not). This
-module is also a pytest plugin: it follows the session and the running test, and provides the
-fixture. Imports no torch until a run raises torch's exception types.
+Runs from the pytest process of the current session (any test, marked or not). This module
+is also a pytest plugin: it follows the session and the running test, and waits at a test's
+teardown for the join=False runs its body never joined. Imports no torch until a run raises
+torch's exception types.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness import packing, runner
+from harness import packing
 from harness.common import rank_warnings
 from harness.common.errors import SpecError, invalid
 from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
@@ -202,7 +200,7 @@ def _session(caller: str) -> tuple[pytest.Config, pytest.Item | None]:
     return config, item
 
 
-def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
+def target_of(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
     """How each rank finds `fn`: by name, or (a method bound to an instance) the method
     itself, pickled with its instance as torch's spawn pickles it."""
     if inspect.ismethod(fn) and not isinstance(fn.__self__, type):
@@ -224,7 +222,7 @@ def _target(fn: Callable[..., Any], caller: str) -> Target | Callable[..., Any]:
         ) from None
 
 
-def _encoded(caller: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def encoded_args(caller: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """The run's arguments pickled for the ranks; a ValueError saying what to pass instead."""
     try:
         return encode_args(args, kwargs)
@@ -263,7 +261,7 @@ def spawn(
     config, item = _session("harness.spawn")
     settings = settings_of(config)
     spec = RankSpec(
-        world_size=_nprocs(nprocs),
+        world_size=nprocs_value(nprocs),
         timeout_s=timeout_for(settings, timeout, "harness.spawn(timeout=...)", item),
         backend=settings.backend,
         start_method=settings.start_method,
@@ -273,7 +271,9 @@ def spawn(
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
     )
-    blob = _encoded("harness.spawn", (_target(fn, "harness.spawn"), tuple(args)), {"rank": None})
+    blob = encoded_args(
+        "harness.spawn", (target_of(fn, "harness.spawn"), tuple(args)), {"rank": None}
+    )
     target = packing.function_target(adopted.run_spawned)
     context = SpawnContext(
         lambda started, cut: warm.on_warm_ranks(config, spec, target, blob, started, cut),
@@ -290,7 +290,7 @@ def spawn(
     return None
 
 
-def _nprocs(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
+def nprocs_value(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
     """An int >= 1, strictly (as torch's spawn wants it); ValueError naming `origin`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(invalid("process count", value, origin, "use an int >= 1"))
@@ -447,72 +447,3 @@ def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome
         error = RankExited(f"{first}\n{report}", index, pid, code)
     error.report, error.outcomes = report, outcomes
     return error
-
-
-# ---- a kept pool of ranks ---------------------------------------------------------------------
-
-
-class RankPoolError(AssertionError):
-    """A :meth:`RankPool.run` call failed on some rank; the message is the harness's report."""
-
-    def __init__(self, report: str, outcomes: list[RankOutcome]) -> None:
-        super().__init__(report)
-        self.outcomes = outcomes
-
-
-class RankPool:
-    """Warm ranks that each call of :meth:`run` uses with a working process group.
-
-    The replacement for a hand-written session pool of N processes: the rank processes stay
-    (module state persists between calls) and so does the group after a clean call (gloo);
-    a call that fails or hangs raises the report while the next call finds healthy ranks and
-    a fresh, working group: a dead or hung rank is replaced first.
-    """
-
-    def __init__(
-        self, config: pytest.Config, world_size: int | None = None, timeout: float | None = None
-    ) -> None:
-        settings = settings_of(config)
-        self._config = config
-        self.world_size = (
-            settings.ranks
-            if world_size is None
-            else _nprocs(world_size, "RankPool(world_size=...)")
-        )
-        self._spec = RankSpec(
-            world_size=self.world_size,
-            timeout_s=timeout_for(settings, timeout, "RankPool(timeout=...)"),
-            backend=settings.backend,
-            start_method=settings.start_method,
-            hygiene=RUN_HYGIENE,
-            warning_filters=rank_warnings.filters_for(config, None),
-            stray_warnings=settings.stray_warnings,
-            runxfail=settings.runxfail,
-        )
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn(rank, world_size, *args, **kwargs)`` on every rank; each rank's value, in order.
-
-        Raises :class:`RankPoolError` (an AssertionError) with the report, root cause first,
-        when any rank raised, exited, died or hung.
-        """
-        blob = _encoded(
-            "rank_pool.run",
-            (_target(fn, "rank_pool.run"), args, kwargs),
-            {"rank": None, "world_size": None},
-        )
-        target = packing.function_target(adopted.run_pooled)
-        outcomes = warm.on_warm_ranks(self._config, self._spec, target, blob)
-        rank_warnings.reemit(outcomes)
-        report = failure_text(outcomes) or runner.leftovers_text(outcomes)
-        if report is not None:
-            raise RankPoolError(report, outcomes)
-        return [o.value for o in outcomes]
-
-
-@pytest.fixture(scope="session")
-def rank_pool(pytestconfig: pytest.Config) -> RankPool:
-    """A pool of --ranks warm ranks: ``rank_pool.run(fn, *args)`` calls
-    ``fn(rank, world_size, *args)`` on each inside a process group, and returns their values.
-    """
-    return RankPool(pytestconfig)

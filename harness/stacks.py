@@ -47,12 +47,12 @@ def trim_stack(text: str) -> str:
     """Drop the harness's and multiprocessing's frames below the user's code in each thread."""
     kept: list[str] = []
     skipping = False
-    worker_frame = f'File "{_worker_file()}"'
+    harness_frames = tuple(f'File "{file}"' for file in _rank_files())
     for line in text.splitlines():
         if not line.startswith("  File "):
             skipping = False
             kept.append(line)
-        elif skipping or worker_frame in line:
+        elif skipping or any(frame in line for frame in harness_frames):
             skipping = True
         else:
             kept += [line, *_source_of(line)]
@@ -95,12 +95,20 @@ def _source_of(frame_line: str) -> list[str]:
     return [f"    {source}"] if source else []
 
 
+# The rank's own modules between its entry point and the test's code (in the order they call).
+_RANK_CALLERS = ("harness.rank.worker", "harness.rank.task", "harness.rank.body")
+
+
 @cache
-def _worker_file() -> str:
-    """The rank entry point's own file, found without importing it (it imports torch)."""
-    spec = importlib.util.find_spec("harness.rank.worker")
-    assert spec is not None and spec.origin is not None
-    return spec.origin
+def _rank_files() -> tuple[str, ...]:
+    """The files of the rank's modules that call the test, found without importing them
+    (they import torch)."""
+    found = []
+    for name in _RANK_CALLERS:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
+        found.append(spec.origin)
+    return tuple(found)
 
 
 def _read(path: Path) -> str:

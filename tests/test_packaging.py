@@ -83,3 +83,45 @@ def test_the_entry_point_loads_cleanly_under_warnings_as_errors(
     result = pytester.runpytest_subprocess("--ranks", "2", "-W", "error")
     result.assert_outcomes(passed=1)
     assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
+
+
+def test_both_packages_say_the_installed_version() -> None:
+    """__version__ of rankwise and of harness is the distribution's own (pyproject's), read
+    from the installed metadata: one number, set in one place."""
+    import re
+    from importlib.metadata import version
+    from pathlib import Path
+
+    import rankwise
+
+    import harness
+
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
+    assert declared is not None
+    assert rankwise.__version__ == harness.__version__ == version("rankwise")
+    assert version("rankwise") == declared[1]
+
+
+def test_the_changelog_has_a_section_per_version() -> None:
+    """Keep a Changelog: Unreleased first, then each release, newest first, the installed
+    one among them; each entry a bullet of at most two lines."""
+    import re
+    from importlib.metadata import version
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "CHANGELOG.md").read_text()
+    sections = re.findall(r"^## \[([^\]]+)\]", text, re.MULTILINE)
+    assert sections[0] == "Unreleased"
+    releases = sections[1:]
+    assert version("rankwise") in releases
+    as_tuples = [tuple(int(x) for x in v.split(".")) for v in releases]
+    assert as_tuples == sorted(as_tuples, reverse=True)
+    entries: list[list[str]] = []  # each bullet and the indented lines that continue it
+    for line in text.splitlines():
+        if line.startswith("- "):
+            entries.append([line])
+        elif line.startswith("  ") and entries:
+            entries[-1].append(line)
+    long = [entry[0] for entry in entries if len(entry) > 2]
+    assert entries and not long, long

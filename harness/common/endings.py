@@ -1,5 +1,7 @@
-"""How a rank's run of a test body ended, as a RankOutcome: shared by a pool's worker and by a
-process torchrun launched (which runs the body in the pytest process itself).
+"""Turning what a body did in a rank into its outcome record: an exception (pytest's skip,
+xfail and exit among them), a SystemExit, a return value, a fault that never fired; the
+traceback text starting at the test's own frames; the failed frames freed so that tearing
+the group down really closes it. Used by rank/body.py, for every kind of rank.
 
 Imports no torch.
 """
@@ -66,11 +68,11 @@ def _pytest_outcome(exc: BaseException) -> Ending | None:
     """SKIPPED or XFAILED for pytest's own skip and xfail, not for a class named alike."""
     if type(exc).__name__ not in PYTEST_OUTCOMES:
         return None
-    from _pytest.outcomes import Skipped, XFailed
+    import pytest
 
-    if isinstance(exc, XFailed):
+    if isinstance(exc, pytest.xfail.Exception):
         return Ending.XFAILED
-    return Ending.SKIPPED if isinstance(exc, Skipped) else None
+    return Ending.SKIPPED if isinstance(exc, pytest.skip.Exception) else None
 
 
 def _raised_at(exc: BaseException) -> tuple[str, int] | None:
@@ -156,10 +158,10 @@ def user_traceback(exc: BaseException, show_locals: LocalsShown = None) -> str:
 def _locals_text(variables: dict[str, Any], size: int) -> dict[str, str]:
     """A frame's locals as pytest shows them: sorted, cut to `size` (0: whole), less the
     helpers assertion rewriting adds (their names start with '@')."""
-    from _pytest._io.saferepr import saferepr
+    from harness.common.pytest_internals import saferepr
 
     return {
-        name: saferepr(variables[name], maxsize=size or None)
+        name: saferepr(variables[name], size or None)
         for name in sorted(variables)
         if not name.startswith("@")
     }
@@ -171,9 +173,9 @@ def refuse_awaitable(value: Any) -> None:
         return
     with contextlib.suppress(Exception):
         value.close()  # never awaited: no RuntimeWarning about it either
-    from _pytest.python import async_fail
+    from harness.common.pytest_internals import fail_as_async
 
-    async_fail("")  # raises pytest's Failed with pytest's own message
+    fail_as_async()  # raises pytest's Failed with pytest's own message
 
 
 def safe_repr(value: Any) -> str:
@@ -184,7 +186,7 @@ def safe_repr(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
-def release(exc: BaseException) -> None:
+def free_frames(exc: BaseException) -> None:
     """Drop what the failed test still holds, so tearing its group down really closes it.
 
     The traceback's frames keep the test's locals alive (a model, its FSDP mesh, and through

@@ -6,7 +6,7 @@ markers, faults, expected outcomes and hygiene, so every message reads the same 
 
 from __future__ import annotations
 
-from _pytest.outcomes import Failed
+from harness.common.pytest_internals import Failed
 
 
 class SpecError(ValueError):

@@ -233,12 +233,13 @@ def fault_point(name: str) -> None:
 
 
 def rankwise_points() -> Any:
-    """rankwise's points module, or None where rankwise is not installed."""
+    """rankwise's tools module (add_observer, remove_observer for its named points), or
+    None where rankwise is not installed."""
     try:
-        from rankwise import _points
+        from rankwise import testing
     except ImportError:
         return None
-    return _points
+    return testing
 
 
 def _unreachable(what: str, value: object, fix: str) -> FaultError:

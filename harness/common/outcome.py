@@ -1,6 +1,8 @@
-"""How a rank ended, which failure was the root cause, and the report text.
+"""The verdict's material, read on the pytest side: :class:`RankOutcome` (the record every
+rank's end becomes, whatever ended it), which failure was the root cause and which were
+collateral, and the whole text of a failure report.
 
-Imports no torch: both the pytest process and the ranks use it.
+Imports no torch; the ranks make outcomes (endings.py), the pytest side judges them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from harness.common import endings
+from harness.common import endings, pytest_internals
 from harness.common.outcome import RankOutcome, RankWarning, ranks_phrase
 from harness.common.protocol import WarningFilters
 
@@ -56,9 +56,7 @@ def _apply_session_filters(config: tuple[str, ...], cmdline: tuple[str, ...]) ->
         parsed = [_parsed(arg, escape=False) for arg in config]
         parsed += [_parsed(arg, escape=True) for arg in cmdline]
     except Exception:  # pytest's own handling of a filter it cannot parse, which varies
-        from _pytest.config import apply_warning_filters
-
-        apply_warning_filters(config, cmdline)
+        pytest_internals.apply_warning_filters(config, cmdline)
         return
     for args in parsed:
         warnings.filterwarnings(*args)
@@ -68,9 +66,7 @@ def _apply_session_filters(config: tuple[str, ...], cmdline: tuple[str, ...]) ->
 def _parsed(arg: str, escape: bool) -> tuple[Any, ...]:
     """A filter as pytest parses it (a split, an import, a regex escape); errors are not
     cached. pytest caches its own parsing the same way, warning classes included."""
-    from _pytest.config import parse_warning_filter
-
-    return tuple(parse_warning_filter(arg, escape=escape))
+    return pytest_internals.parse_warning_filter(arg, escape)
 
 
 def collected(log: Sequence[warnings.WarningMessage]) -> list[RankWarning]:

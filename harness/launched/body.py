@@ -9,21 +9,21 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from harness import runner
-from harness.common import endings, environment, hygiene, rank_warnings, reaper
+from harness.common import endings, environment
 from harness.common.errors import HarnessError
-from harness.common.faults import Injector
+from harness.common.faults import Fault, Injector
 from harness.common.outcome import Ending, RankOutcome, ranks_phrase
 from harness.common.protocol import RankSpec
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
+from harness.rank.body import run_body
 
 endings.skip_frames_of(__file__)
 
@@ -145,7 +145,7 @@ def _run_everywhere(
     call: Callable[[], Any],
 ) -> list[RankOutcome]:
     started = time.monotonic()  # the hang timer's clock too: both count from the body's start
-    outcome, group_ok = _run_here(node, session, spec, key, call)
+    outcome, group_ok = _run_here(node, session, spec, key, call, started)
     if outcome.ending not in _CLEAN or not group_ok:
         session.drop_group()  # peers blocked on this rank fail now, not at their timeout
     if not group_ok:
@@ -181,51 +181,77 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
 
 
 def _run_here(
-    item: pytest.Item, session: LaunchedSession, spec: RankSpec, key: str, call: Callable[[], Any]
+    item: pytest.Item,
+    session: LaunchedSession,
+    spec: RankSpec,
+    key: str,
+    call: Callable[[], Any],
+    started: float,
 ) -> tuple[RankOutcome, bool]:
-    before = hygiene.before_test()
-    children = set(reaper.leftovers(os.getpid()))  # a session fixture's own: not the test's
-    fixtures_group = dist.group.WORLD if spec.launch and dist.is_initialized() else None
-    where = Where()
-    with (
-        HangTimer(session.watch, key, spec.timeout_s, where),
-        where.installed(),
-        rank_warnings.recording(spec.warning_filters) as log,
-        Injector(session.rank, spec.faults_on(session.rank)).installed() as injector,
-    ):
-        outcome = _body(key, session.rank, call, injector, spec.show_locals)
-    outcome.warnings = rank_warnings.collected(log)
+    """The body run here, through the one body runner every kind of rank uses; its
+    outcome, and whether the session's group is still good for the next test."""
+    outcome, _before = run_body(
+        key, session.rank, spec, LaunchedBody(item, session, spec, key, call), started
+    )
     outcome.stdout, outcome.stderr = _captured(item.config)
     group_ok = spec.launch or session.has_group()
-    # A launch=True body's own group is its leftover; one its fixtures set up is theirs.
-    group_left = spec.launch and dist.is_initialized() and dist.group.WORLD is not fixtures_group
-    if group_left:
-        session.drop_group()
-    left = {pid: line for pid, line in reaper.leftovers(os.getpid()).items() if pid not in children}
-    reaper.kill(list(left))
-    before = replace(before, env=_unpatched(before.env, item))
-    outcome.leftovers = hygiene.findings(before, spec.hygiene, group_left, left)
     environment.put_back()  # as a warm rank does; changed variables are only reported here
     return outcome, group_ok
 
 
-def _body(
-    key: str, rank: int, call: Callable[[], Any], injector: Injector, show_locals: int | None
-) -> RankOutcome:
-    try:
+class LaunchedBody:
+    """A test body as a launched rank runs it (see rank/body.py's Body): pytest has made its
+    fixtures in this process already and captures its logs; the hang timer bounds it."""
+
+    reraised: tuple[type[BaseException], ...] = (KeyboardInterrupt,)  # every rank stops alike
+
+    def __init__(
+        self,
+        item: pytest.Item,
+        session: LaunchedSession,
+        spec: RankSpec,
+        key: str,
+        call: Callable[[], Any],
+    ) -> None:
+        self._item, self._session, self._spec, self._key = item, session, spec, key
+        self._call = call
+        # A launch=True body's own group is its leftover; one its fixtures set up is theirs.
+        self._fixtures_group = dist.group.WORLD if spec.launch and dist.is_initialized() else None
+
+    def load(self) -> tuple[Fault, ...]:
+        return self._spec.faults_on(self._session.rank)
+
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        where = Where()
+        with (
+            HangTimer(self._session.watch, self._key, self._spec.timeout_s, where),
+            where.installed(),
+        ):
+            yield
+
+    def call(self, injector: Injector) -> Any:
         injector.at_start()
-        value = call()
-        endings.refuse_awaitable(value)
-    except KeyboardInterrupt:
-        raise  # Ctrl-C reaches every rank at once: each stops its own session
-    except BaseException as exc:
-        outcome = endings.ended_by(key, rank, exc, show_locals)
-        endings.release(exc)
-        return outcome
-    missed = injector.unreached()
-    if missed is not None:
-        return endings.not_reached(key, rank, missed)
-    return endings.returned(key, rank, value)
+        return self._call()
+
+    def finish(self) -> None:
+        pass  # pytest tears the fixtures down itself
+
+    def after_raise(self, outcome: RankOutcome) -> None:
+        pass  # the session drops its group once every rank's outcome is known
+
+    def group_left(self) -> bool:
+        left = (
+            self._spec.launch
+            and dist.is_initialized()
+            and dist.group.WORLD is not self._fixtures_group
+        )
+        if left:
+            self._session.drop_group()
+        return left
+
+    def env_before(self, env: dict[str, str]) -> dict[str, str]:
+        return _unpatched(env, self._item)
 
 
 def _captured(config: pytest.Config) -> tuple[str, str]:

@@ -17,7 +17,7 @@ import json
 import pickle
 from typing import Any
 
-from rankwise import _wire
+from rankwise import testing as wire
 
 from harness.common.outcome import Ending, RankOutcome, RankWarning
 
@@ -84,8 +84,8 @@ def _value_record(value: Any) -> tuple[dict[str, str] | None, str]:
     """How a return value travels: ({"wire": base64 of rankwise's wire bytes}, "") or
     (None, why it cannot)."""
     try:
-        data = _wire.encode(value, "the return value")
-    except _wire.WireError as exc:
+        data = wire.encode(value, "the return value")
+    except wire.WireError as exc:
         return None, (
             f"between launched ranks a value travels as JSON or as what torch.load("
             f"weights_only=True) loads, never pickled ({exc})"
@@ -101,12 +101,12 @@ def _value_from(value: Any) -> Any:
     except binascii.Error:
         raise RecordError("its value is not base64") from None
     try:
-        return _wire.decode(data)
+        return wire.decode(data)
     except (ValueError, RecursionError):  # the JSON form
         raise RecordError("its value is not JSON") from None
     except Exception as exc:
         raise RecordError(
-            f"its value does not load with weights_only ({_wire.refusal(exc)})"
+            f"its value does not load with weights_only ({wire.refusal(exc)})"
         ) from None
 
 

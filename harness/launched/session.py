@@ -19,13 +19,11 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -35,11 +33,9 @@ from harness.common.launch_detect import Launch
 from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
 from harness.launched.store import Peers
+from harness.launched.watch import Watch
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
-
-if TYPE_CHECKING:
-    from harness.launched.watch import Watch
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.
@@ -95,7 +91,7 @@ class LaunchedSession:
         self.group_timeout_s = GROUP_TIMEOUT_MARGIN_S
         self.hung_in: set[str] = set()  # runs whose outcome this rank's timer published
         self.finished = threading.Event()  # the exit status is agreed: the session is over
-        self.watch: Watch = None  # type: ignore[assignment]  # the launch's hooks make it
+        self.watch = Watch(self)  # its hang and launcher-stop paths
         self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
         self.absent: dict[int, str] = {}  # why ranks were missing from the last exchange
         # Under --continue-on-collection-errors: the other ranks' collection errors, which
@@ -186,78 +182,6 @@ class LaunchedSession:
                     terminal.loud(self.config, f"harness: ignored {exc} (not this harness's)")
                     continue
                 raise pytest.exit(f"[rank {rank}] {said['text']}", returncode=said["code"])
-
-    # ---- agreements ----------------------------------------------------------------------
-
-    def agree_on_backend(self) -> None:
-        """Every rank must use the same backend (GPUs may differ between nodes). Each rank
-        also gives a random word; the session goes on under a prefix made from them all."""
-        assert self.peers is not None
-        found = self.gather("backend", f"{self.backend} {self.peers.nonce}", AGREE_S)
-        backends = [_text(b).split(" ")[0] if b is not None else None for b in found]
-        if len(set(backends)) > 1:
-            each = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
-            end_session(
-                self,
-                f"harness: the launched ranks would use different backends ({each}); give "
-                f"every rank the same --rank-backend",
-            )
-        self.peers.freshen([(b or b"").rpartition(b" ")[2] for b in found])
-        self.put(f"pid/{self.rank}", str(os.getpid()))  # under the fresh prefix too
-        if not all(self.gather("fresh", "1", AGREE_S)):
-            why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(self.absent.items()))
-            end_session(
-                self,
-                f"harness: not every rank joined the session's own prefix ({why}); unless "
-                f"those ranks ended, they were shown another rank's word replaced by a process "
-                f"that reaches torchrun's store (see docs/security.md)",
-            )
-
-    def agree_on_collection(self, items: Sequence[pytest.Item]) -> None:
-        """Every rank must have collected the same tests, in the same order, and without
-        errors: pytest stops a rank that could not collect, and its peers would wait for it
-        in the first test."""
-        self.collected = [item.nodeid for item in items]
-        said = {"tests": self.collected, "errors": _collection_errors(self.config)}
-        found = self.gather("collected", json.dumps(said), AGREE_S)
-        mine = self.collected
-        differences, errors, unfinished = [], [], []
-        for r, blob in enumerate(found):
-            if blob is None:
-                unfinished.append(f"rank {r} did not finish collecting: {self.absent[r]}")
-                continue
-            try:
-                theirs = records.read_json(blob, f"collected/{r}", {"tests": list, "errors": list})
-            except records.RecordError as exc:
-                unfinished.append(f"rank {r}'s collection could not be read: {exc}")
-                continue
-            said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
-            errors += said_by_r
-            if r != self.rank:
-                self.peer_collection_errors += said_by_r
-            if theirs["tests"] != mine:
-                differences.append(_collection_difference(r, theirs["tests"], self.rank, mine))
-        if errors and not self.config.getoption("continue_on_collection_errors", False):
-            end_session(
-                self,
-                f"harness: {len(errors)} collection error(s) on the launched ranks; every rank "
-                f"stops, as pytest stops for one (make the test files import alike on every "
-                f"node):\n" + "\n".join(errors),
-            )
-        if unfinished:
-            end_session(
-                self,
-                f"harness: {'; '.join(unfinished)}. It ended or hung while collecting, before "
-                f"any test ran: its own output (stderr) and the launcher's summary say why",
-            )
-        if differences:
-            end_session(
-                self,
-                f"harness: the launched ranks collected different tests: {'; '.join(differences)}"
-                f". Every rank must collect the same tests: make collection independent of the "
-                f"node (its GPUs, files, environment, random seeds) and select the same tests "
-                f"everywhere (a --lf cache each node keeps for itself differs)",
-            )
 
     # ---- where every rank is -------------------------------------------------------------
 
@@ -442,6 +366,61 @@ class LaunchedSession:
         except records.RecordError:
             return {}
 
+    def publish_hang(self, key: str, outcome: RankOutcome) -> None:
+        """This rank's timer found it hung in run `key`: publish that as its outcome (the main
+        thread, if it comes back, keeps it)."""
+        self.hung_in.add(key)
+        self.put(f"{key}/outcome/{self.rank}", records.encode_outcome(outcome))
+
+    def launcher_stopped(self) -> bool:
+        """The launcher is stopping the job: waits end soon, and the main thread stops after
+        this test. False when that is known already (or the session never connected)."""
+        if self.stopping or self.peers is None:
+            return False
+        self.peers.stopping = True
+        with contextlib.suppress(Exception):
+            self.put(f"stopped/{self.rank}", self.current or "-")
+        return True
+
+    def own_outcome(self, key: str) -> RankOutcome:
+        """The outcome this rank published for run `key` (its timer's, for a hang)."""
+        assert self.peers is not None
+        blob = self.peers.read(f"{key}/outcome/{self.rank}") or b""
+        return records.decode_outcome(blob, key, self.rank)
+
+    def stop_report(self, wait_s: float) -> str:
+        """Rank 0's words on a job the launcher stopped: which ranks ended first (they said
+        nothing within `wait_s` of being stopped), with what they said as they died."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        self.wait([f"stopped/{r}" for r in others], wait_s)
+        assert self.peers is not None
+        gone = {
+            r: self._died(r).get("text", "") for r in others if not self.peers.has(f"stopped/{r}")
+        }
+        return terminal.stop_report(self.current, self.world_size, gone)
+
+    def say(self, text: str) -> None:
+        """Write to the real terminal, past pytest's capture, whichever rank this is."""
+        terminal.loud(self.config, text)
+
+    def end_early(self) -> None:
+        """Rank 0 could not finish the session: the others read status 1 as its last word."""
+        self.put("final", "1")
+
+    def summary(self, reporter: Any) -> None:
+        """Rank 0's last words on the terminal (a quiet rank says nothing)."""
+        if self.real_writer is not None:
+            return
+        peers = self.peers
+        terminal.summary(
+            reporter,
+            unsigned=peers is not None and peers.secret is None,
+            refused=[] if peers is None else list(peers.refused),
+            peer_collection_errors=self.peer_collection_errors,
+            stop_reason=self.stop_reason,
+            not_run=self.not_run(),
+        )
+
     def speak_for_rank_0(self) -> None:
         """Rank 0 is gone: the lowest rank left prints the report from here on."""
         alive = [r for r in range(self.world_size) if r not in self.lost]
@@ -463,31 +442,6 @@ class LaunchedSession:
     def not_run(self) -> list[str]:
         return [nodeid for nodeid in self.collected if nodeid not in self.done]
 
-    def agree_on_exit(self, session: pytest.Session) -> None:
-        """Every rank ends with one status: rank 0's, or the worst any rank reached."""
-        status = int(session.exitstatus)
-        self.index = len(self.collected)  # past every test: the end's keys are not deleted
-        mine = {"status": status, "failed": _failed(session)}
-        found = self.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
-        if self.rank == 0:
-            final = self._final(found, mine)
-            self.put("final", str(final))
-        elif 0 in self.lost:
-            final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
-        else:
-            blob = self.get("final", AGREE_S)
-            if blob is None:
-                terminal.loud(
-                    self.config,
-                    f"harness: rank {self.rank} could not learn rank 0's exit status (rank 0 "
-                    f"did not publish it); it exits with its own ({status})",
-                )
-                final = status
-            else:
-                final = records.read_int(blob, "final", status)
-        session.exitstatus = final
-        self.over(final)
-
     def over(self, status: int) -> None:
         """The session's end is agreed: from here this process exits with `status` on its own.
 
@@ -500,89 +454,8 @@ class LaunchedSession:
         with contextlib.suppress(ValueError):  # not the main thread: the handler still exits
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    def _final(self, found: list[bytes | None], mine: dict[str, Any]) -> int:
-        statuses = [mine["status"]]
-        for r, blob in enumerate(found):
-            if r == 0 or r == self.rank:
-                continue
-            if blob is None:  # it never said how its session ended: it did not end well
-                statuses.append(int(pytest.ExitCode.TESTS_FAILED))
-                continue
-            try:
-                said = records.read_json(blob, f"status/{r}", {"status": int})
-            except records.RecordError as exc:  # not a rank's word: the session did not end well
-                terminal.loud(self.config, f"harness: {exc}; counted as a failed session")
-                statuses.append(int(pytest.ExitCode.TESTS_FAILED))
-                continue
-            statuses.append(said["status"])
-        if self.lost:
-            statuses.append(int(pytest.ExitCode.TESTS_FAILED))
-        bad = [s for s in statuses if s != 0]
-        return mine["status"] if mine["status"] != 0 else (bad[0] if bad else 0)
-
 
 def cuda_index(launch: Launch) -> int:
     """This rank's GPU: LOCAL_RANK, or the one GPU a launcher made visible to each process."""
     count = torch.cuda.device_count()
     return launch.local_rank if count > launch.local_rank else 0
-
-
-def end_session(session: LaunchedSession, message: str) -> None:
-    """Stop the whole session now, on every rank alike (each rank finds the same problem)."""
-    session.over(int(pytest.ExitCode.INTERRUPTED))
-    raise pytest.exit(message, returncode=pytest.ExitCode.INTERRUPTED)
-
-
-COLLECTION_ERROR_CHARS = 2000  # of each error's report, its end (where the error is)
-
-
-def _collection_errors(config: pytest.Config) -> list[str]:
-    """This rank's collection errors so far: where, and the end of pytest's report; and the
-    exception that is stopping its collection, if one is (pytest reports the collection on
-    its way out, and a SystemExit in a module's import stops it with no error report)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    reports = [] if reporter is None else reporter.stats.get("error", [])
-    errors = [
-        f"{report.nodeid or '(the session)'}:\n{report.longreprtext[-COLLECTION_ERROR_CHARS:]}"
-        for report in reports
-        if isinstance(report, pytest.CollectReport) and report.failed
-    ]
-    stopping = sys.exc_info()[1]
-    if stopping is not None:
-        text = _without_pytests_frames(stopping)
-        errors.append(f"(the collection stopped):\n{text[-COLLECTION_ERROR_CHARS:]}")
-    return errors
-
-
-def _without_pytests_frames(exc: BaseException) -> str:
-    """`exc`'s traceback with the frames of pytest, pluggy and the import system left out."""
-    shown = traceback.TracebackException.from_exception(exc)
-    internal = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", "importlib")
-    frames = [f for f in shown.stack if not any(part in f.filename for part in internal)]
-    shown.stack = traceback.StackSummary.from_list(frames)
-    return "".join(shown.format())
-
-
-def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str]) -> str:
-    extra = [n for n in theirs if n not in set(mine)]
-    missing = [n for n in mine if n not in set(theirs)]
-    parts = []
-    if extra:
-        parts.append(f"{len(extra)} test(s) rank {me} did not ({', '.join(extra[:5])})")
-    if missing:
-        parts.append(f"not {len(missing)} test(s) rank {me} did ({', '.join(missing[:5])})")
-    if not parts:
-        parts.append(f"the same tests in another order than rank {me}")
-    return f"rank {rank} collected {' and '.join(parts)}"
-
-
-def _failed(session: pytest.Session) -> list[str]:
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return []
-    reports = reporter.stats.get("failed", []) + reporter.stats.get("error", [])
-    return sorted({getattr(r, "nodeid", "") for r in reports})
-
-
-def _text(blob: bytes | None) -> str:
-    return "nothing" if blob is None else blob.decode(errors="replace")

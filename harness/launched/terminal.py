@@ -7,33 +7,29 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from harness.launched.session import LaunchedSession
+from harness.common import pytest_internals
+from harness.common.outcome import ranks_phrase
 
 
 def quiet(config: pytest.Config) -> Any:
     """Ranks other than 0 print no report and write no junit or cache: rank 0 speaks for all.
     Returns the terminal writer it silenced."""
-    from _pytest._io import TerminalWriter
-
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     real = None
     if reporter is not None:
         real = reporter._tw
-        reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the session's
+        reporter._tw = pytest_internals.null_terminal_writer()
     # Report files are off here already (reports.py), unless the harness was loaded
     # after pytest configured its junit writer (from a conftest's pytest_plugins).
-    with contextlib.suppress(ImportError):
-        from _pytest.junitxml import xml_key
-
-        xml = config.stash.get(xml_key, None)
-        if xml is not None:
-            del config.stash[xml_key]
-            config.pluginmanager.unregister(xml)
+    xml_key = pytest_internals.junit_xml_key()
+    xml = None if xml_key is None else config.stash.get(xml_key, None)
+    if xml is not None:
+        del config.stash[xml_key]
+        config.pluginmanager.unregister(xml)
     cache = getattr(config, "cache", None)
     if cache is not None:
         with contextlib.suppress(Exception):
@@ -51,43 +47,64 @@ def loud(config: pytest.Config, text: str) -> None:
         os.write(fd, (text.rstrip("\n") + "\n").encode(errors="replace"))
 
 
-def summary(launched: LaunchedSession, reporter: Any) -> None:
-    """Rank 0's last words: collection errors on other ranks, and why the session ended early."""
-    if launched.real_writer is not None:
-        return  # a quiet rank
-    _signatures(launched, reporter)
+def summary(
+    reporter: Any,
+    *,
+    unsigned: bool,
+    refused: list[str],
+    peer_collection_errors: list[str],
+    stop_reason: str,
+    not_run: list[str],
+) -> None:
+    """Rank 0's last words: whether the session ran unsigned and which store values failed
+    the signature check, collection errors on other ranks, and why the session ended early
+    (`stop_reason`, with the tests it did not run)."""
+    _signatures(reporter, unsigned, refused)
     going_on = reporter.config.getoption("continue_on_collection_errors", False)
-    if launched.peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
+    if peer_collection_errors and going_on:  # theirs, not shown (else in the exit)
         reporter.write_sep("=", "harness: collection errors on other ranks", red=True)
-        for text in launched.peer_collection_errors:
+        for text in peer_collection_errors:
             reporter.write_line(text)
-    if not launched.stop_reason:
+    if not stop_reason:
         return
-    left = launched.not_run()
     reporter.write_sep("=", "harness: the session ended early", red=True)
-    reporter.write_line(launched.stop_reason)
-    reporter.write_line(f"tests not run ({len(left)}):")
-    for nodeid in left:
+    reporter.write_line(stop_reason)
+    reporter.write_line(f"tests not run ({len(not_run)}):")
+    for nodeid in not_run:
         reporter.write_line(f"  {nodeid}")
 
 
-def _signatures(launched: LaunchedSession, reporter: Any) -> None:
+def _signatures(reporter: Any, unsigned: bool, refused: list[str]) -> None:
     """Say whether the session's values in torchrun's store were signed, and which values
     failed the check (ignored, never believed)."""
-    peers = launched.peers
-    if peers is None:
-        return
-    if peers.secret is None:
+    if unsigned:
         reporter.write_line(
             "harness: this launched session ran unsigned (no HARNESS_SECRET or "
             "--rank-secret-file): a process that reaches torchrun's store could change a "
             "verdict, though never run code here; see docs/security.md",
             yellow=True,
         )
-    if peers.refused:
+    if refused:
         reporter.write_sep("=", "harness: values that failed the signature check", red=True)
         reporter.write_line(
-            f"ignored {len(peers.refused)} value(s) in torchrun's store not signed with this "
+            f"ignored {len(refused)} value(s) in torchrun's store not signed with this "
             f"session's secret (another process writes there, or a rank was given another "
-            f"secret): {', '.join(peers.refused[:10])}"
+            f"secret): {', '.join(refused[:10])}"
         )
+
+
+def stop_report(current: str, world_size: int, gone: dict[int, str]) -> str:
+    """Rank 0's words on a job the launcher stopped during `current` (or between tests):
+    the ranks in `gone` ended first, each with what it said as it died ("" if nothing)."""
+    during = f"during {current}" if current else "between tests"
+    lines = [f"harness: the launcher stopped the job {during}."]
+    for rank, cause in sorted(gone.items()):
+        cause = cause or "it left no word (the launcher's summary has its exit status)"
+        lines.append(f"  rank {rank} ended first: {cause}")
+    if gone:
+        stopped = [r for r in range(world_size) if r not in gone]
+        verb = "was" if len(stopped) == 1 else "were"
+        lines.append(f"  {ranks_phrase(stopped)} {verb} stopped by the launcher")
+    else:
+        lines.append("  every rank was stopped by it (a cancelled job, or a rank's own exit)")
+    return "\n".join(lines)

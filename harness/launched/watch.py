@@ -19,16 +19,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from harness.common.outcome import Ending, RankOutcome, failure_text, ranks_phrase
-from harness.launched import records, terminal
+from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
 from harness.stacks import trim_in_process
-
-if TYPE_CHECKING:
-    from harness.launched.session import LaunchedSession
-    from harness.launched.store import Peers
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
 # (torchrun allows 30 s between its SIGTERM and its SIGKILL).
@@ -129,10 +124,53 @@ class FixtureTimer(_Timer):
         self._watch.hung(self._key, self._timeout_s, f"{self._phase} of the fixtures", note)
 
 
+class Watched(Protocol):
+    """What the Watch sees of its launched session: where this rank is, whether the session
+    is over, and the few things the watch asks of it (it changes nothing in it itself)."""
+
+    rank: int
+    current: str  # the node id of the test running now
+    finished: threading.Event  # the exit status is agreed: the session is over
+    final_status: int | None  # that status, once agreed
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def publish_hang(self, key: str, outcome: RankOutcome) -> None:
+        """Publish this rank's hang as its outcome of run `key` (the main thread, should it
+        come back, keeps it)."""
+        ...
+
+    def launcher_stopped(self) -> bool:
+        """Note that the launcher is stopping the job; False when it was noted already or
+        the session is not connected."""
+        ...
+
+    def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]: ...
+
+    def own_outcome(self, key: str) -> RankOutcome:
+        """The outcome this rank published for run `key`."""
+        ...
+
+    def stop_report(self, wait_s: float) -> str:
+        """Rank 0's words on a job the launcher stopped: which ranks ended first, and why."""
+        ...
+
+    def not_run(self) -> list[str]: ...
+
+    def say(self, text: str) -> None:
+        """Write to the real terminal, past pytest's capture."""
+        ...
+
+    def end_early(self) -> None:
+        """Rank 0's last word when it could not finish the session: no junit, status 1."""
+        ...
+
+
 class Watch:
     """One per launched session: the hang and launcher-stop paths, each taken at most once."""
 
-    def __init__(self, session: LaunchedSession) -> None:
+    def __init__(self, session: Watched) -> None:
         self._session = session
         self._once = threading.Lock()
         self._read_fd, self._write_fd = os.pipe()
@@ -145,15 +183,14 @@ class Watch:
         outcome = RankOutcome(key, session.rank, os.getpid(), Ending.HUNG, at=time.monotonic())
         outcome.stack, outcome.where = _stacks(), where
         outcome.notes.append(note or f"still running at the test's timeout ({timeout_s:g} s)")
-        session.hung_in.add(key)  # the main thread, if it comes back, keeps this outcome
-        session.put(f"{key}/outcome/{session.rank}", records.encode_outcome(outcome))
+        session.publish_hang(key, outcome)
         if session.rank != 0:
-            _exit(session, 1)  # frees every peer blocked on this rank; the launcher stops the job
+            os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job
         self._finish_or_report(f"rank 0 hung in {session.current}", key)
 
     # ---- signs of life -------------------------------------------------------------------
 
-    def start_heartbeat(self, peers: Peers) -> None:
+    def start_heartbeat(self, peers: Any) -> None:
         """Tell the others, every HEARTBEAT_S, that this process is alive (from a thread: it
         goes on while the main thread is blocked in a collective)."""
 
@@ -167,14 +204,14 @@ class Watch:
 
     # ---- the launcher's SIGTERM --------------------------------------------------------
 
-    def install(self) -> None:
+    def catch_sigterm(self) -> None:
         """Catch SIGTERM; a thread reads the wake-up fd, since the main thread may be blocked
         in a collective or a store wait where no Python handler runs."""
         signal.signal(signal.SIGTERM, self._handler)
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._read, name="harness-launcher-stop", daemon=True).start()
 
-    def reinstall(self) -> None:
+    def catch_sigterm_again(self) -> None:
         """After a test that took SIGTERM or the wake-up fd (asyncio does) for itself."""
         if signal.getsignal(signal.SIGTERM) != self._handler:
             signal.signal(signal.SIGTERM, self._handler)
@@ -199,11 +236,8 @@ class Watch:
         session = self._session
         if session.final_status is not None:
             os._exit(session.final_status)
-        if session.stopping or session.peers is None:
+        if not session.launcher_stopped():  # noted: waits end soon, the main thread stops
             return
-        session.peers.stopping = True  # waits end soon; the main thread stops after this test
-        with contextlib.suppress(Exception):
-            session.put(f"stopped/{session.rank}", session.current or "-")
         self._finish_or_report("the launcher stopped the job", None)
 
     # ---- the end -----------------------------------------------------------------------
@@ -220,63 +254,24 @@ class Watch:
         if session.rank == 0:
             with contextlib.suppress(Exception):
                 self._report(why, hung_key)
-        _exit(session, 1)
+        os._exit(1)
 
     def _report(self, why: str, hung_key: str | None) -> None:
         session = self._session
         if hung_key is not None:
-            outcomes = session.exchange(hung_key, _own(session, hung_key), STOPPED_WAIT_S)
+            outcomes = session.exchange(hung_key, session.own_outcome(hung_key), STOPPED_WAIT_S)
             text = failure_text(outcomes) or "every rank returned"
-            terminal.loud(
-                session.config, f"FAILED {session.current} (reported by rank 0's timer)\n{text}"
-            )
+            session.say(f"FAILED {session.current} (reported by rank 0's timer)\n{text}")
         else:
-            terminal.loud(session.config, _stop_report(session))
+            session.say(session.stop_report(STOPPED_WAIT_S))
         left = [n for n in session.not_run() if n != session.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
-        terminal.loud(
-            session.config,
+        session.say(
             f"harness: the session ended early ({why}; rank 0 could not finish it, so there "
-            f"is no junit xml). Tests not run ({len(left)}):\n{listed}",
+            f"is no junit xml). Tests not run ({len(left)}):\n{listed}"
         )
         with contextlib.suppress(Exception):
-            session.put("final", "1")
-
-
-def _stop_report(session: LaunchedSession) -> str:
-    others = [r for r in range(session.world_size) if r != session.rank]
-    session.wait([f"stopped/{r}" for r in others], STOPPED_WAIT_S)
-    assert session.peers is not None
-    gone = [r for r in others if not session.peers.has(f"stopped/{r}")]
-    during = f"during {session.current}" if session.current else "between tests"
-    lines = [f"harness: the launcher stopped the job {during}."]
-    for r in gone:
-        died = f"died/{r}"
-        blob = session.peers.read(died) or b"{}"
-        try:
-            cause = records.read_json(blob, died, {"text": str})["text"] if blob != b"{}" else ""
-        except records.RecordError:
-            cause = ""  # not the harness's word
-        cause = cause or "it left no word (the launcher's summary has its exit status)"
-        lines.append(f"  rank {r} ended first: {cause}")
-    if gone:
-        stopped = [r for r in range(session.world_size) if r not in gone]
-        verb = "was" if len(stopped) == 1 else "were"
-        lines.append(f"  {ranks_phrase(stopped)} {verb} stopped by the launcher")
-    else:
-        lines.append("  every rank was stopped by it (a cancelled job, or a rank's own exit)")
-    return "\n".join(lines)
-
-
-def _own(session: LaunchedSession, key: str) -> RankOutcome:
-    assert session.peers is not None
-    blob = session.peers.read(f"{key}/outcome/{session.rank}") or b""
-    return records.decode_outcome(blob, key, session.rank)
-
-
-def _exit(session: LaunchedSession, status: int) -> None:
-    session.final_status = status
-    os._exit(status)
+            session.end_early()
 
 
 def _stacks() -> str:

@@ -19,15 +19,14 @@ import pytest
 from harness.common import endings
 from harness.common.outcome import exit_code
 from harness.common.protocol import Target
+from harness.rank import loader
 
 endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 
 
-def find(target: Target) -> Any:
+def named(target: Target) -> Any:
     """The class or function `target` names, from its module as the worker loads it."""
-    from harness.rank import worker
-
-    holder: Any = worker._load_module(target.module, target.file)
+    holder: Any = loader.load_module(target.module, target.file)
     for part in target.qualname.split("."):
         holder = getattr(holder, part)
     return holder
@@ -65,7 +64,7 @@ def run_multiprocess_case(
     context) is raised again with its own traceback, its skip statuses become skips, and any
     other exit stays an exit, which the harness counts as a failure.
     """
-    cls = find(case)
+    cls = named(case)
     receiving, sending = multiprocessing.Pipe()
     try:
         cls._run(rank, test_name, file_name, sending, **entry_kwargs)
@@ -123,7 +122,7 @@ def run_continuous_case(
     and reports into a queue: a skip there is a skip, an error is raised again as the original
     exception (the base wraps it in a RuntimeError whose cause it is).
     """
-    cls = find(case)
+    cls = named(case)
     results = _Results()
     try:
         with _every_rank_set_up_before_the_test(cls):
@@ -217,5 +216,5 @@ def run_pooled(
 
 def _callable(fn: Target | Callable[..., Any]) -> Callable[..., Any]:
     """A function named by its Target, or a bound method that came whole."""
-    found: Callable[..., Any] = find(fn) if isinstance(fn, Target) else fn
+    found: Callable[..., Any] = named(fn) if isinstance(fn, Target) else fn
     return found

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest.capture import CaptureFixture
 
-from harness.common import endings
+from harness.common import endings, pytest_internals
 from harness.common.protocol import RANK_SIDE_FIXTURES, FixturePlan, FixtureRecipe, RequestInfo
 
 endings.skip_frames_of(__file__)  # a fixture's traceback starts at its own function
@@ -212,18 +211,15 @@ class RankFixtures:
         self._stack.close()
 
     def _capture(self, kind: str) -> Any:
-        from _pytest import capture
-
         request: Any = self._request  # kept, not read: disabled() is the rank's own
-        fixture = _RankCapture(getattr(capture, kind), request, _ispytest=True)
+        fixture = _RankCapture(pytest_internals.capture_class(kind), request, _ispytest=True)
         fixture._start()
         self._stack.callback(fixture.close)
         return fixture
 
     def _caplog(self, level: int | None) -> Any:
         """pytest's caplog for this rank, capturing from `level` (the session's log_level)."""
-        from _pytest import logging as pytest_logging
-
+        pytest_logging = pytest_internals.logging_plugin()
         handler = pytest_logging.LogCaptureHandler()
         holder = _StashHolder()
         holder.stash[pytest_logging.caplog_handler_key] = handler
@@ -231,7 +227,7 @@ class RankFixtures:
         holder.stash[pytest_logging.caplog_records_key] = records
         self._caplogs.append((handler, records))
         self._stack.enter_context(pytest_logging.catching_logs(handler, level=level))
-        fixture = pytest_logging.LogCaptureFixture(holder, _ispytest=True)  # type: ignore[arg-type]
+        fixture = pytest_logging.LogCaptureFixture(holder, _ispytest=True)
         self._stack.callback(fixture._finalize)
         return fixture
 
@@ -242,7 +238,7 @@ class RankFixtures:
         return path
 
 
-class _RankCapture(CaptureFixture):  # type: ignore[type-arg]
+class _RankCapture(pytest.CaptureFixture):  # type: ignore[type-arg]
     """pytest's capsys/capfd in a rank, where there is no capture manager to step around."""
 
     @contextlib.contextmanager
@@ -312,6 +308,4 @@ def _unwrapped(obj: Any) -> Any:
 
 
 def _legacy_path(path: Path) -> Any:
-    from _pytest.compat import legacy_path
-
-    return legacy_path(path)
+    return pytest_internals.legacy_path(path)

@@ -28,7 +28,7 @@ def _kill_everything_below_me() -> None:
     reaper.kill_tree(os.getpid())
 
 
-def _end_with_the_tree(signum: int, _frame: FrameType | None) -> None:
+def end_with_the_tree(signum: int, _frame: FrameType | None) -> None:
     """Kill every descendant, then end by the signal, as its default would have."""
     _kill_everything_below_me()
     signal.signal(signum, signal.SIG_DFL)
@@ -41,4 +41,4 @@ if reaper.become_subreaper():
     atexit.register(_kill_everything_below_me)
     for _signal in ENDING_SIGNALS:
         if signal.getsignal(_signal) == signal.SIG_DFL:  # not ignored (nohup keeps SIGHUP so)
-            signal.signal(_signal, _end_with_the_tree)
+            signal.signal(_signal, end_with_the_tree)

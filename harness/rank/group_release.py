@@ -147,7 +147,7 @@ def _release_what_torch_holds() -> None:
     from harness.rank import torch_holders
 
     with contextlib.suppress(Exception):
-        torch_holders.release()
+        torch_holders.let_go()
 
 
 def _any_alive() -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from harness.common import pytest_internals
 from harness.common.protocol import LogCapture
 
 # torch.distributed logs every collective's error to loggers it gives a NullHandler (meant
@@ -136,8 +137,7 @@ def _as_if_absent(record: logging.LogRecord) -> None:
 def _formatter(settings: LogCapture) -> Any:
     """pytest's report formatter, less colour (a rank has no terminal to ask); one per
     session's settings, as pytest shares one."""
-    from _pytest import logging as pytest_logging
-
+    pytest_logging = pytest_internals.logging_plugin()
     formatter = pytest_logging.DatetimeFormatter(settings.fmt, settings.datefmt)
     formatter._style = pytest_logging.PercentStyleMultiline(
         formatter._style._fmt, auto_indent=settings.auto_indent

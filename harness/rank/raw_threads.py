@@ -17,7 +17,7 @@ _serials = itertools.count()
 _original: Any = _thread.start_new_thread
 
 
-def install() -> None:
+def track() -> None:
     """Wrap `_thread.start_new_thread` (and its old alias) in this process; once."""
     if getattr(_thread.start_new_thread, "_harness_tracks", False):
         return

@@ -196,6 +196,10 @@ def open_streams() -> tuple[Any, Any]:
     return out, err
 
 
+class _Taken:
+    baseline: Baseline | None = None  # the last one taken: the rank's own, once it starts
+
+
 def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
     """The rank's state now; `skip_signals` are handled at the C level and restored elsewhere."""
     handlers = {
@@ -203,7 +207,7 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         for sig in signal.valid_signals()
         if isinstance(sig, signal.Signals) and sig not in _UNCATCHABLE and sig not in skip_signals
     }
-    return Baseline(
+    _Taken.baseline = Baseline(
         fds={fd: os.dup(fd) for fd in STANDARD_FDS},
         streams=(sys.stdin, sys.stdout, sys.stderr),
         handlers={sig: h for sig, h in handlers.items() if h is not None},
@@ -216,6 +220,14 @@ def take(skip_signals: tuple[int, ...] = ()) -> Baseline:
         process=_process(),
         module_hooks=_module_hooks(),
     )
+    return _Taken.baseline
+
+
+def fd_copies() -> set[int]:
+    """The descriptors the rank restores fds 0-2 from after each test (empty before the
+    rank took its baseline)."""
+    base = _Taken.baseline
+    return set() if base is None else set(base.fds.values())
 
 
 def _deterministic() -> tuple[bool, bool]:

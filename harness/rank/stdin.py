@@ -69,6 +69,6 @@ class NoTerminal(io.TextIOBase):
         return "utf-8"
 
 
-def install(rank_of: Any) -> None:
+def replace_stdin(rank_of: Any) -> None:
     """Make this rank process's sys.stdin refuse reads; `rank_of()` gives the rank now."""
     sys.stdin = NoTerminal(rank_of)

@@ -34,7 +34,7 @@ _MODULES_WITH_WORLD_DEFAULTS = (
 )
 
 
-def release() -> None:
+def let_go() -> None:
     """Drop what torch's modules still hold of destroyed process groups (only modules the
     process has imported are looked at)."""
     _clear_dtensor_caches()

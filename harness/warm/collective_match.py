@@ -52,7 +52,9 @@ class Mismatch:
         )
 
 
-def find(boards: dict[int, tuple[int, dict[int, str]]], since: int = 0) -> Mismatch | None:
+def first_mismatch(
+    boards: dict[int, tuple[int, dict[int, str]]], since: int = 0
+) -> Mismatch | None:
     """The first collective every rank has called and not all alike, from each rank's
     (count, fingerprints by index) board, looking from index `since` on (those before were
     compared already); None when they agree so far."""

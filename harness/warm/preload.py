@@ -70,7 +70,7 @@ def before_conftests(config: pytest.Config) -> None:
     config.stash[_before_key] = frozenset(sys.modules)
 
 
-def remember(session: pytest.Session, mode: str, bound_s: float) -> None:
+def note_collected(session: pytest.Session, mode: str, bound_s: float) -> None:
     """Choose, once the session's tests are collected, what the fork server preloads."""
     if mode == "none":
         return

@@ -262,7 +262,7 @@ class RunLoop:
         if reached <= self._compared:  # what every rank has called, compared already
             return None
         boards = {s.rank: s.read_collectives() for s in self.slots}
-        self._mismatch_found = collective_match.find(boards, since=self._compared)
+        self._mismatch_found = collective_match.first_mismatch(boards, since=self._compared)
         self._compared = reached
         return self._mismatch_found
 

@@ -1,4 +1,4 @@
-"""The session's warm ranks: :class:`WarmRanks` (the seam's default side, see ranks.py),
+"""The session's warm ranks: :class:`WarmRanks` (the seam's default side, see seam.py),
 the pools in the session's stash, the test module's import ahead of its first test, and the
 fork server's start, hand-over and report.
 
@@ -19,7 +19,7 @@ import pytest
 from harness import made_in_ranks, packing
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
-from harness.ranks import skip_without_gpus
+from harness.seam import skip_without_gpus
 from harness.warm import preload
 
 if TYPE_CHECKING:
@@ -43,12 +43,12 @@ class WarmRanks:
         if gpu_marked or (spec is not None and spec.backend == "nccl"):
             skip_without_gpus(spec.world_size if spec is not None else 1)
         if spec is not None:
-            made_in_ranks.remember(item)
+            made_in_ranks.note_test(item)
         return (yield)
 
     def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
         target = packing.test_target(item)
-        failed = load_test_module(item, spec, target)
+        failed = import_ahead(item, spec, target)
         if failed:
             return failed
         return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
@@ -97,14 +97,14 @@ def on_warm_ranks(
     return pools_of(config).run(RunRequest(spec, target, args_blob, live, on_start, cut))
 
 
-def load_test_module(item: pytest.Item, spec: RankSpec, target: Target) -> list[RankOutcome]:
+def import_ahead(item: pytest.Item, spec: RankSpec, target: Target) -> list[RankOutcome]:
     """Have the warm ranks for `spec` import `target`'s module before `item` runs, once per
     ranks and module version: a phase with its own bound (--rank-import-timeout), so that a
     test's timeout bounds its body, not a big library's import. Empty when the module is
     loaded (what the ranks printed and warned importing it is kept for `item`'s report:
     take_import_output); else every rank's outcome (an import that failed or ran past its
     bound is the test's failure, reported as what it is)."""
-    from harness.rank import worker
+    from harness.rank import loader
     from harness.settings import settings_of
     from harness.stacks import fold_importlib
     from harness.warm.processes import PoolKey
@@ -120,7 +120,7 @@ def load_test_module(item: pytest.Item, spec: RankSpec, target: Target) -> list[
         return []
     bound = settings_of(config).import_timeout_s
     load = replace(spec, timeout_s=bound, faults=(), expected=(), launch=False, hygiene=frozenset())
-    outcomes = on_warm_ranks(config, load, packing.function_target(worker.load_test_module),
+    outcomes = on_warm_ranks(config, load, packing.function_target(loader.load_test_module),
                              encode_args((target,), {}))  # fmt: skip
     if all(o.ok for o in outcomes):
         pools.modules_loaded.add(key)

@@ -47,3 +47,16 @@ from rankwise._launch import (
 )
 from rankwise._plan import DistributionPlan, distribution_plan, set_distribution_plan
 from rankwise._run import DistributedState, distributed_run
+
+
+def _installed_version() -> str:
+    """The distribution's version, from its installed metadata (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rankwise")
+    except PackageNotFoundError:  # imported from a source tree nobody installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()

@@ -8,6 +8,10 @@ follow, and a small value itself when it fits. So every rank learns in that one 
 whether any rank failed or is in another collective, and raises together instead of waiting
 in a collective a peer never reaches. Only when something is wrong does a second exchange
 carry the words (each rank's call and error) for the message.
+
+One concept, hence its length: the core's header exchange and the failure semantics every
+labelled collective shares (who raises what, naming whom), with the two collectives written
+directly on it and the argument checks that must fail inside the exchange, never before it.
 """
 
 from __future__ import annotations

@@ -37,18 +37,57 @@ def test_the_import_rules_hold() -> None:
 
 
 def test_the_rules_catch_what_they_are_for() -> None:
-    """The check itself: a circle, a module importing the launch, a rank importing runner."""
+    """The check itself: a circle, a module importing the launch, a rank importing runner or
+    a warm module, a module both sides use importing either side."""
     graph: object = _import_graph()
     edges = {
         "harness.a": {"harness.b"},
         "harness.b": {"harness.a"},
         "harness.runner": {"harness.launched.session"},
-        "harness.rank.worker": {"harness.runner"},
+        "harness.rank.worker": {"harness.runner", "harness.warm.pools", "harness.common.x"},
+        "harness.common.protocol": {"harness.rank.state", "harness.settings"},
+        "harness.rank.new_module": {"harness.warm.session"},
     }
     broken = graph.broken_rules(edges)  # type: ignore[attr-defined]
     assert "import circle: harness.a -> harness.b -> harness.a" in broken
     assert any("harness.runner imports harness.launched.session" in b for b in broken)
     assert any("harness.rank.worker imports harness.runner" in b for b in broken)
+    assert any("harness.rank.worker imports harness.warm.pools" in b for b in broken)
+    assert not any("harness.common.x" in b for b in broken)
+    assert any("harness.common.protocol imports harness.rank.state" in b for b in broken)
+    assert any("harness.common.protocol imports harness.settings" in b for b in broken)
+    assert any("harness.rank.new_module imports harness.warm.session" in b for b in broken)
+
+
+def test_a_type_only_import_counts_for_a_circle(tmp_path: Path) -> None:
+    graph: object = _import_graph()
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from harness.b import X\n"
+    )
+    found = graph.imports_of("harness.a", module, {"harness.a", "harness.b"})  # type: ignore[attr-defined]
+    assert found == {"harness.b"}
+
+
+def test_no_private_name_crosses_modules() -> None:
+    graph: object = _import_graph()
+    assert graph.private_imports() == []  # type: ignore[attr-defined]
+
+
+def test_the_private_name_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    graph: object = _import_graph()
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from rankwise import _wire\n"
+        "from harness.rank.loader import _rewritten_code\n"
+        "from harness.rank import worker\n"
+        "from _pytest.outcomes import Failed\n"
+        "worker._load_module('m', None)\n"
+    )
+    found = graph._private_in("harness.rank.adopted", module)  # type: ignore[attr-defined]
+    assert len(found) == 4, found
+    assert any("rankwise, another package's private" in f or "_wire" in f for f in found)
+    assert any("reads worker._load_module" in f for f in found)
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -63,7 +102,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_the_pytest_side_loads_no_module_of_the_launch() -> None:
-    for module in ("harness.runner", "harness.settings", "harness.warm.pools", "harness.ranks"):
+    for module in ("harness.runner", "harness.settings", "harness.warm.pools", "harness.seam"):
         assert _loaded_after(f"import {module}") == [], module
 
 

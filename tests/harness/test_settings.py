@@ -10,14 +10,8 @@ from harness.common.errors import SpecError
 from harness.common.expect import ExpectationError, Expected, Wanted
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import LogCapture
-from harness.settings import (
-    DEFAULT_TIMEOUT_S,
-    Settings,
-    settings_of,
-    spec_for,
-    spec_for_call,
-    timeout_for,
-)
+from harness.settings import DEFAULT_TIMEOUT_S, Settings, settings_of, timeout_for
+from harness.specs import spec_for, spec_for_call
 
 TIMEOUTS = """
 import pytest

@@ -466,7 +466,7 @@ BREAKS_THEN_CHECKS = {
 
 RANK_FILE_CLOSER = """
 import os
-from harness.rank import worker
+from harness.rank import state
 
 def close_descriptors_of(fd_file, keep):
     for name in os.listdir("/proc/self/fd"):
@@ -482,7 +482,7 @@ def close_descriptors_of(fd_file, keep):
 
 def close_other_descriptors_of(fd_file):
     # every descriptor of that file but fds 0-2 and the copies the rank restores them from
-    close_descriptors_of(fd_file, {0, 1, 2, *worker._baseline.fds.values()})
+    close_descriptors_of(fd_file, {0, 1, 2, *state.fd_copies()})
 """
 
 
@@ -860,20 +860,20 @@ def test_collectives_are_compared_in_order_and_the_odd_rank_named() -> None:
     from harness.warm import collective_match
 
     alike = {r: (2, {0: "all_reduce [1] float32", 1: "barrier"}) for r in range(3)}
-    assert collective_match.find(alike) is None
+    assert collective_match.first_mismatch(alike) is None
     boards = dict(alike)
     boards[1] = (2, {0: "all_reduce [1] float32", 1: "broadcast [1] float32"})
     boards[2] = (1, {0: "all_reduce [1] float32"})  # not there yet: nothing to compare
-    assert collective_match.find(boards) is None
+    assert collective_match.first_mismatch(boards) is None
     boards[2] = (2, {0: "all_reduce [1] float32", 1: "barrier"})
-    found = collective_match.find(boards)
+    found = collective_match.first_mismatch(boards)
     assert found is not None and found.index == 1 and found.odd == [1]
     assert found.sentence(1).startswith(
         "called broadcast on a tensor of shape [1] (float32) as collective 2 on the group; "
         "ranks 0, 2 called barrier:"
     )
     # Older than a board keeps (its ring holds the last ones only): not compared.
-    assert collective_match.find({0: (40, {39: "barrier"}), 1: (40, {})}) is None
+    assert collective_match.first_mismatch({0: (40, {39: "barrier"}), 1: (40, {})}) is None
 
 
 FAILS_WITH_COLLATERAL = """

@@ -1,0 +1,200 @@
+"""What every rank of a launched session agrees on before and after its tests: the backend
+(and the session's own store prefix), the tests collected, and one exit status.
+
+Each agreement gathers every rank's word through the launch's store (bounded by AGREE_S); a
+disagreement ends the session on every rank alike, saying what differed and what to do.
+Used only in a launched session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from harness.launched import records
+from harness.launched.session import AGREE_S, LaunchedSession
+
+
+def agree_on_backend(launched: LaunchedSession) -> None:
+    """Every rank must use the same backend (GPUs may differ between nodes). Each rank
+    also gives a random word; the session goes on under a prefix made from them all."""
+    assert launched.peers is not None
+    found = launched.gather("backend", f"{launched.backend} {launched.peers.nonce}", AGREE_S)
+    backends = [_text(b).split(" ")[0] if b is not None else None for b in found]
+    if len(set(backends)) > 1:
+        each = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
+        end_session(
+            launched,
+            f"harness: the launched ranks would use different backends ({each}); give "
+            f"every rank the same --rank-backend",
+        )
+    launched.peers.freshen([(b or b"").rpartition(b" ")[2] for b in found])
+    launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
+    if not all(launched.gather("fresh", "1", AGREE_S)):
+        why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(launched.absent.items()))
+        end_session(
+            launched,
+            f"harness: not every rank joined the session's own prefix ({why}); unless "
+            f"those ranks ended, they were shown another rank's word replaced by a process "
+            f"that reaches torchrun's store (see docs/security.md)",
+        )
+
+
+def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item]) -> None:
+    """Every rank must have collected the same tests, in the same order, and without
+    errors: pytest stops a rank that could not collect, and its peers would wait for it
+    in the first test."""
+    launched.collected = [item.nodeid for item in items]
+    said = {"tests": launched.collected, "errors": _collection_errors(launched.config)}
+    found = launched.gather("collected", json.dumps(said), AGREE_S)
+    mine = launched.collected
+    differences, errors, unfinished = [], [], []
+    for r, blob in enumerate(found):
+        if blob is None:
+            unfinished.append(f"rank {r} did not finish collecting: {launched.absent[r]}")
+            continue
+        try:
+            theirs = records.read_json(blob, f"collected/{r}", {"tests": list, "errors": list})
+        except records.RecordError as exc:
+            unfinished.append(f"rank {r}'s collection could not be read: {exc}")
+            continue
+        said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
+        errors += said_by_r
+        if r != launched.rank:
+            launched.peer_collection_errors += said_by_r
+        if theirs["tests"] != mine:
+            differences.append(_collection_difference(r, theirs["tests"], launched.rank, mine))
+    if errors and not launched.config.getoption("continue_on_collection_errors", False):
+        end_session(
+            launched,
+            f"harness: {len(errors)} collection error(s) on the launched ranks; every rank "
+            f"stops, as pytest stops for one (make the test files import alike on every "
+            f"node):\n" + "\n".join(errors),
+        )
+    if unfinished:
+        end_session(
+            launched,
+            f"harness: {'; '.join(unfinished)}. It ended or hung while collecting, before "
+            f"any test ran: its own output (stderr) and the launcher's summary say why",
+        )
+    if differences:
+        end_session(
+            launched,
+            f"harness: the launched ranks collected different tests: {'; '.join(differences)}"
+            f". Every rank must collect the same tests: make collection independent of the "
+            f"node (its GPUs, files, environment, random seeds) and select the same tests "
+            f"everywhere (a --lf cache each node keeps for itself differs)",
+        )
+
+
+def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
+    """Every rank ends with one status: rank 0's, or the worst any rank reached."""
+    status = int(session.exitstatus)
+    launched.index = len(launched.collected)  # past every test: the end's keys are not deleted
+    mine = {"status": status, "failed": _failed(session)}
+    found = launched.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
+    if launched.rank == 0:
+        final = _final(launched, found, mine)
+        launched.put("final", str(final))
+    elif 0 in launched.lost:
+        final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
+    else:
+        blob = launched.get("final", AGREE_S)
+        if blob is None:
+            launched.say(
+                f"harness: rank {launched.rank} could not learn rank 0's exit status (rank 0 "
+                f"did not publish it); it exits with its own ({status})",
+            )
+            final = status
+        else:
+            final = records.read_int(blob, "final", status)
+    session.exitstatus = final
+    launched.over(final)
+
+
+def _final(launched: LaunchedSession, found: list[bytes | None], mine: dict[str, Any]) -> int:
+    statuses = [mine["status"]]
+    for r, blob in enumerate(found):
+        if r == 0 or r == launched.rank:
+            continue
+        if blob is None:  # it never said how its session ended: it did not end well
+            statuses.append(int(pytest.ExitCode.TESTS_FAILED))
+            continue
+        try:
+            said = records.read_json(blob, f"status/{r}", {"status": int})
+        except records.RecordError as exc:  # not a rank's word: the session did not end well
+            launched.say(f"harness: {exc}; counted as a failed session")
+            statuses.append(int(pytest.ExitCode.TESTS_FAILED))
+            continue
+        statuses.append(said["status"])
+    if launched.lost:
+        statuses.append(int(pytest.ExitCode.TESTS_FAILED))
+    bad = [s for s in statuses if s != 0]
+    return mine["status"] if mine["status"] != 0 else (bad[0] if bad else 0)
+
+
+def end_session(launched: LaunchedSession, message: str) -> None:
+    """Stop the whole session now, on every rank alike (each rank finds the same problem)."""
+    launched.over(int(pytest.ExitCode.INTERRUPTED))
+    raise pytest.exit(message, returncode=pytest.ExitCode.INTERRUPTED)
+
+
+COLLECTION_ERROR_CHARS = 2000  # of each error's report, its end (where the error is)
+
+
+def _collection_errors(config: pytest.Config) -> list[str]:
+    """This rank's collection errors so far: where, and the end of pytest's report; and the
+    exception that is stopping its collection, if one is (pytest reports the collection on
+    its way out, and a SystemExit in a module's import stops it with no error report)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reports = [] if reporter is None else reporter.stats.get("error", [])
+    errors = [
+        f"{report.nodeid or '(the session)'}:\n{report.longreprtext[-COLLECTION_ERROR_CHARS:]}"
+        for report in reports
+        if isinstance(report, pytest.CollectReport) and report.failed
+    ]
+    stopping = sys.exc_info()[1]
+    if stopping is not None:
+        text = _without_pytests_frames(stopping)
+        errors.append(f"(the collection stopped):\n{text[-COLLECTION_ERROR_CHARS:]}")
+    return errors
+
+
+def _without_pytests_frames(exc: BaseException) -> str:
+    """`exc`'s traceback with the frames of pytest, pluggy and the import system left out."""
+    shown = traceback.TracebackException.from_exception(exc)
+    internal = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", "importlib")
+    frames = [f for f in shown.stack if not any(part in f.filename for part in internal)]
+    shown.stack = traceback.StackSummary.from_list(frames)
+    return "".join(shown.format())
+
+
+def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str]) -> str:
+    extra = [n for n in theirs if n not in set(mine)]
+    missing = [n for n in mine if n not in set(theirs)]
+    parts = []
+    if extra:
+        parts.append(f"{len(extra)} test(s) rank {me} did not ({', '.join(extra[:5])})")
+    if missing:
+        parts.append(f"not {len(missing)} test(s) rank {me} did ({', '.join(missing[:5])})")
+    if not parts:
+        parts.append(f"the same tests in another order than rank {me}")
+    return f"rank {rank} collected {' and '.join(parts)}"
+
+
+def _failed(session: pytest.Session) -> list[str]:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return []
+    reports = reporter.stats.get("failed", []) + reporter.stats.get("error", [])
+    return sorted({getattr(r, "nodeid", "") for r in reports})
+
+
+def _text(blob: bytes | None) -> str:
+    return "nothing" if blob is None else blob.decode(errors="replace")

@@ -1,0 +1,259 @@
+"""One verdict on every launched rank for what each rank runs on its own: a test without
+ranks (every rank runs it in-process) and any test's teardown. A failure on any rank fails
+it everywhere, naming that rank and showing its report; a rank that failed only because a
+peer did (collateral) shows the peer's failure; a peer blocked in a collective on this rank
+is released. Used only in a launched session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import pytest
+
+from harness import runner
+from harness.common.outcome import ranks_phrase, report_looks_collateral
+from harness.launched import records
+from harness.launched.session import LaunchedSession
+from harness.settings import settings_of, timeout_for
+
+
+def fixtures_key(launched: LaunchedSession) -> str:
+    """Where a rank's record of a hang in the current test's fixtures goes."""
+    return f"{launched.test_key()}/fixtures"
+
+
+# How long a rank waits for the others to finish a test without ranks (each runs it on its
+# own): a test that much slower on one rank than on another reads as ranks out of step.
+PLAIN_WAIT_S = 600.0
+
+
+def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
+    """One verdict for a test without ranks too: every rank ran it on its own; a failure on
+    any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
+    if launched.peers is None:
+        return
+    launched.finishing()
+    mine = {
+        "outcome": report.outcome,
+        "text": report.longreprtext[-4000:],
+        "xfail": getattr(report, "wasxfail", None),  # an xfail is reported as a skip
+        "reason": _skip_reason(report),
+        "sections": [(title, text[-4000:]) for title, text in report.sections],
+    }
+    # pytest-timeout off while this rank waits: a slow peer's own timer fails its own test,
+    # and this rank then reports it (not a timeout in the harness's wait).
+    with runner.pytest_timeout_paused(item):
+        key = f"{launched.test_key()}/plain"
+        found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
+    if launched.absent:
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
+        launched.lost.update(launched.absent)
+        if 0 in launched.lost:
+            launched.speak_for_rank_0()  # rank 0 cannot report this test: the lowest rank left does
+        launched.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
+        if report.outcome != "failed":  # a rank that never finished the test: no pass here
+            report.outcome = "failed"
+            report.longrepr = f"not every rank finished this test: {absent}"
+    failed = [(r, t) for r, t in _others(launched, found, key) if t["outcome"] == "failed"]
+    if report.outcome != "failed" and failed:
+        rank, theirs = failed[0]
+        report.outcome = "failed"
+        here = f"it did not fail on rank {launched.rank}"
+        report.longrepr = f"rank {rank} failed this test ({here}):\n{theirs['text']}"
+        _add_sections(report, rank, theirs)
+        _also_failed(report, failed, rank)
+        return
+    if report.outcome == "failed" and report_looks_collateral(report.longreprtext):
+        causes = [(r, t) for r, t in failed if not report_looks_collateral(t["text"])]
+        if causes:  # this rank failed because a peer did: report the peer's failure
+            rank, theirs = causes[0]
+            here = _error_line(report.longreprtext)
+            report.longrepr = (
+                f"rank {rank} failed this test (root cause); rank {launched.rank} collateral "
+                f"({here}):\n{theirs['text']}"
+            )
+            _add_sections(report, rank, theirs)
+            _also_failed(report, causes, rank)
+        return
+    if report.outcome == "failed":
+        _also_failed(report, failed, launched.rank)
+        return
+    published = {r: _published(b, f"{key}/{r}") for r, b in enumerate(found) if b is not None}
+    _agree_on_skips(report, published)
+
+
+def _also_failed(report: pytest.TestReport, failed: list[tuple[int, Any]], shown: int) -> None:
+    """Every other rank's own failure, each in a section of the report: one rank's report
+    would hide the others' errors (each rank runs a test without ranks on its own)."""
+    for rank, theirs in failed:
+        if rank != shown:
+            report.sections.append((f"rank {rank} failed this test too", theirs["text"]))
+
+
+# How often a rank whose test failed looks at the peers it still waits for: one blocked in
+# torch.distributed (a collective on this rank, which will never come) makes it leave its
+# process group, so the peer fails at once instead of at the group's timeout.
+RELEASE_CHECK_S = 1.0
+
+
+def _gather_releasing_peers(
+    launched: LaunchedSession, key: str, failed: bool, mine: str
+) -> list[bytes | None]:
+    """Every rank's `mine` under `key`; where this rank `failed`, a peer still blocked in
+    torch.distributed (on this rank, most likely) is released by leaving the group."""
+    if not failed:
+        return launched.gather(key, mine, PLAIN_WAIT_S)
+    assert launched.peers is not None
+    peers, start = launched.peers, time.monotonic()
+    blocked_since: float | None = None
+    found = launched.gather(key, mine, RELEASE_CHECK_S)
+    while launched.absent and time.monotonic() - start < PLAIN_WAIT_S:
+        waiting = [r for r in launched.absent if peers.still_in_this_test(r)]
+        if not waiting:
+            break
+        blocked = [r for r in waiting if peers.in_torch_distributed(r)]
+        if blocked and launched.has_default_group():
+            launched.drop_group()
+            return launched.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
+        # Blocked with no group here to leave (a set-up that failed before the rendezvous
+        # the peer waits in): after the test's timeout it is hung, and the session ends.
+        blocked_since = (blocked_since or time.monotonic()) if blocked else None
+        if blocked_since is not None and time.monotonic() - blocked_since > _timeout(launched):
+            for rank in blocked:
+                launched.absent[rank] = "blocked in torch.distributed, waiting on this rank"
+            break
+        found = launched.gather(key, None, RELEASE_CHECK_S)
+    return found
+
+
+def _timeout(launched: LaunchedSession) -> float:
+    return timeout_for(settings_of(launched.config), None, "", None)
+
+
+# What each rank publishes of a test without ranks, and of a teardown.
+_Fields = dict[str, type | tuple[type, ...]]
+_PLAIN: _Fields = {
+    "outcome": str, "text": str, "reason": str, "sections": list, "xfail": (str, type(None)),
+}  # fmt: skip
+_TEARDOWN: _Fields = {"failed": bool, "text": str}
+
+
+def _others(
+    launched: LaunchedSession, found: list[bytes | None], key: str
+) -> list[tuple[int, Any]]:
+    """The other ranks' published values, decoded, with their ranks."""
+    return [
+        (r, _published(blob, f"{key}/{r}"))
+        for r, blob in enumerate(found)
+        if blob is not None and r != launched.rank
+    ]
+
+
+def _published(blob: bytes, key: str) -> dict[str, Any]:
+    """A rank's published verdict under `key`, checked; one that is not the harness's record
+    reads as that rank's failure, naming the key (never believed, never run)."""
+    fields = _TEARDOWN if key.rsplit("/", 2)[-2] == "teardown" else _PLAIN
+    try:
+        said = records.read_json(blob, key, fields)
+        sections = said.get("sections", [])
+        if not all(isinstance(x, list) and [type(y) for y in x] == [str, str] for x in sections):
+            raise records.RecordError(f"the value under {key!r} has sections not of the harness")
+        return said
+    except records.RecordError as exc:
+        text = f"harness error: {exc}; it was ignored"
+        return {
+            "outcome": "failed", "failed": True, "text": text, "reason": "", "sections": [],
+            "xfail": None,
+        }  # fmt: skip
+
+
+def teardown_verdict(
+    launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport
+) -> None:
+    """A teardown that failed on any rank is the test's error on every rank, naming the
+    rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
+    if launched.peers is None:
+        return
+    mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
+    lost_before = set(launched.lost) | {launched.rank}
+    with runner.pytest_timeout_paused(item):  # as for the verdict: a slow peer times itself
+        key = f"{launched.test_key()}/teardown"
+        found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
+    gone = {r: why for r, why in launched.absent.items() if r not in lost_before}
+    if gone:  # a rank that died in its teardown (even with status 0), or hangs there
+        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
+        launched.lost.update(gone)
+        if 0 in launched.lost:
+            launched.speak_for_rank_0()
+        launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
+        if not report.failed:
+            report.outcome = "failed"
+            hung = launched.hang_reports(fixtures_key(launched), sorted(gone))
+            report.longrepr = f"not every rank finished this test's teardown: {absent}{hung}"
+        return
+    failed = [(r, t["text"]) for r, t in _others(launched, found, key) if t["failed"]]
+    if failed or report.failed:  # a fixture's collective may have broken the group
+        launched.set_own_group_aside()  # the next test sets a fresh one up
+    if failed and not report.failed:
+        rank, text = failed[0]
+        report.outcome = "failed"
+        report.longrepr = (
+            f"rank {rank}'s teardown failed (it did not fail on rank {launched.rank}):\n{text}"
+        )
+    elif report.failed and report_looks_collateral(report.longreprtext):
+        causes = [(r, text) for r, text in failed if not report_looks_collateral(text)]
+        if causes:  # this rank's teardown failed because a peer's did: show the peer's
+            rank, text = causes[0]
+            here = _error_line(report.longreprtext)
+            report.longrepr = (
+                f"rank {rank}'s teardown failed (root cause); rank {launched.rank} "
+                f"collateral ({here}):\n{text}"
+            )
+
+
+def _agree_on_skips(report: pytest.TestReport, outcomes: dict[int, dict[str, Any]]) -> None:
+    """As for a ranks test: a skip on some ranks only fails the test on every rank (it ran
+    on the others), and an xfail on some ranks while the others passed xfails it."""
+    xfailed = sorted(r for r, o in outcomes.items() if o["xfail"] is not None)
+    skipped = sorted(
+        r for r, o in outcomes.items() if o["outcome"] == "skipped" and o["xfail"] is None
+    )
+    if skipped and len(skipped) < len(outcomes):
+        ran = sorted(set(outcomes) - set(skipped))
+        report.outcome = "failed"
+        with contextlib.suppress(AttributeError):
+            del report.wasxfail
+        report.longrepr = (
+            f"{ranks_phrase(skipped)} skipped this test ({outcomes[skipped[0]]['reason']}) "
+            f"while {ranks_phrase(ran)} ran it: skip on every rank or on none (decide from "
+            f"something every rank sees alike; to act on one rank, test the rank instead)"
+        )
+    elif xfailed and report.outcome == "passed":
+        report.outcome = "skipped"
+        report.wasxfail = outcomes[xfailed[0]]["xfail"]
+
+
+def _add_sections(report: pytest.TestReport, rank: int, theirs: dict[str, Any]) -> None:
+    """The failing rank's captured output and logs, beside this rank's own."""
+    for title, text in theirs.get("sections", []):
+        report.sections.append((f"{title} [rank {rank}]", text))
+
+
+def _error_line(text: str) -> str:
+    """The first "E   ..." line of a pytest failure report: the exception, in a line."""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:300]
+    return text.strip().splitlines()[-1][:300] if text.strip() else "failed"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """A skipped report's reason, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    if report.outcome != "skipped" or not isinstance(longrepr, tuple):
+        return ""
+    return str(longrepr[2]).removeprefix("Skipped: ")

@@ -1,0 +1,25 @@
+"""For test harnesses and tools, not for the code under test: the library's API is
+``rankwise.__all__``, and rankwise itself never imports this module.
+
+- Named points: rankwise's labelled collectives announce themselves to observers registered
+  here, each called as ``observer(phase, kind, label)`` with ``phase`` ``"enter"`` or
+  ``"exit"``. An observer may raise (a harness injects a fault at a point that way).
+- The wire format: ``encode`` turns a value into the bytes rankwise's collectives send (a
+  ``torch.save`` payload that must load with ``torch.load(weights_only=True)``), ``decode``
+  loads them back, and ``refusal`` says in words why a payload was refused.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Observer",
+    "WireError",
+    "add_observer",
+    "decode",
+    "encode",
+    "refusal",
+    "remove_observer",
+]
+
+from rankwise._points import Observer, add_observer, remove_observer
+from rankwise._wire import WireError, decode, encode, refusal
