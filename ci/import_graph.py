@@ -1,6 +1,8 @@
 """The harness's import graph, and the rules its layout keeps (run by tests/test_layout.py).
 
-Every import counts, a function's and a type checker's (``if TYPE_CHECKING:``) too. Rules,
+Every import counts, a function's and a type checker's (``if TYPE_CHECKING:``) too, and so
+does a module named in a string: in ``pytest_plugins``, ``_LAZY``, or as the literal argument
+of ``importlib.import_module``, ``importlib.util.find_spec`` or ``sys.modules.get``. Rules,
 by folder, so that a new module is held to them by where it lies:
 - no import circle, so no import runs back up: a module never (even transitively, even
   from inside a function, even for types) imports one that imports it;
@@ -8,7 +10,8 @@ by folder, so that a new module is held to them by where it lies:
   harness outside ``harness/common/``;
 - ``harness/rank/`` (runs only inside a rank) imports only ``harness/rank/`` and
   ``harness/common/``: a rank runs tests, the pytest process judges them;
-- nothing outside ``harness/launched/`` imports it but ``plugin.py``;
+- nothing outside ``harness/launched/`` imports it but ``plugin.py`` (and the package's
+  ``pytest_plugins`` list, which names ``launched.reports``: its early configure);
 - no module of ``harness/`` or ``lib/`` imports another module's private name (``_x``), or
   a private module of another package (``rankwise._wire`` from the harness); a package's own
   private modules are its own (``rankwise._launch`` from ``rankwise._plan``).
@@ -29,6 +32,13 @@ COMMON = "harness.common"  # both processes
 RANK_SIDE = "harness.rank"  # inside a rank only
 LAUNCH = "harness.launched"  # pytest under torchrun, entered through plugin.py alone
 PYTEST_INTERNALS = "harness.common.pytest_internals"  # the one module that reads _pytest
+# The ways into harness/launched/: plugin.py registers its hooks under a launch; the
+# package's pytest_plugins names launched.reports (its early configure imports no torch).
+LAUNCH_ENTRIES = {
+    ("harness.plugin", "harness.launched"),
+    ("harness.plugin", "harness.launched.hooks"),
+    ("harness", "harness.launched.reports"),
+}
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -43,10 +53,11 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The harness modules `name` imports, wherever the import stands."""
+    """The harness modules `name` imports, wherever the import stands, named in code or in
+    a string that loads a module."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
+    found: set[str] = {_known(s, known) for s in _named_in_strings(tree)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(_known(alias.name, known) for alias in node.names)
@@ -58,6 +69,43 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     found.discard("")
     found.discard(name)
     return found
+
+
+_LOADERS = ("import_module", "find_spec", "get")  # importlib's, and sys.modules.get
+
+
+def _named_in_strings(tree: ast.AST) -> list[str]:
+    """Module names that load a module though no import statement names them: the strings
+    of pytest_plugins and _LAZY, and literal arguments of importlib.import_module,
+    importlib.util.find_spec and sys.modules.get."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in ("pytest_plugins", "_LAZY") for t in node.targets
+        ):
+            found += [c.value for c in ast.walk(node.value) if _is_module_string(c)]
+        elif _loads_a_named_module(node):
+            found.append(node.args[0].value)  # type: ignore[attr-defined]
+    return found
+
+
+def _loads_a_named_module(node: ast.AST) -> bool:
+    """importlib.import_module("harness.x") and the like: a call loading a module by name."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _LOADERS
+        and bool(node.args)
+        and _is_module_string(node.args[0])
+    )
+
+
+def _is_module_string(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.split(".")[0] in ("harness", "rankwise")
+    )
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -117,13 +165,14 @@ def broken_rules(edges: dict[str, set[str]]) -> list[str]:
     broken = [f"import circle: {' -> '.join(c)}" for c in cycles(edges)]
     for name, targets in sorted(edges.items()):
         for target in sorted(targets):
-            if _inside(target, LAUNCH) and not _inside(name, LAUNCH) and name != "harness.plugin":
+            into_launch = _inside(target, LAUNCH) and not _inside(name, LAUNCH)
+            if into_launch and (name, target) not in LAUNCH_ENTRIES:
                 broken.append(f"{name} imports {target}: only plugin.py may import the launch")
-            if _inside(name, COMMON) and not _inside(target, COMMON) and target != "harness":
+            if _inside(name, COMMON) and not _inside(target, COMMON):
                 broken.append(
                     f"{name} imports {target}: harness/common/ imports nothing outside it"
                 )
-            allowed = _inside(target, RANK_SIDE) or _inside(target, COMMON) or target == "harness"
+            allowed = _inside(target, RANK_SIDE) or _inside(target, COMMON)
             if _inside(name, RANK_SIDE) and not allowed:
                 broken.append(
                     f"{name} imports {target}: harness/rank/ imports only harness/rank/ and "
@@ -190,24 +239,46 @@ def _plain_import(name: str, imported: str) -> str:
 
 
 def _private_attributes(tree: ast.AST, package: str, where: Path) -> list[str]:
-    """`module._name` where `module` is a harness or rankwise module this file imported."""
+    """`module._name` where `module` is a harness or rankwise module this file imported,
+    by a name of its own (`from harness.rank import worker`) or dotted
+    (`harness.rank.worker._name` after `import harness.rank.worker`)."""
     known = _MODULE_NAMES["harness"] | _MODULE_NAMES["rankwise"]
-    bound: set[str] = set()
+    bound: dict[str, str] = {}  # a local name -> the module it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = _absolute(node, package)
-            bound |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" in known}
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
         elif isinstance(node, ast.Import):
-            bound |= {a.asname for a in node.names if a.asname and a.name in known}
-    return [
-        f"{where}:{node.lineno} reads {node.value.id}.{node.attr}, a private name"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id in bound
-        and node.attr.startswith("_")
-        and not node.attr.startswith("__")
-    ]
+            for a in node.names:
+                top = a.name.split(".")[0]
+                if top in ("harness", "rankwise"):  # `import a.b as c` binds c to a.b, else a
+                    bound[a.asname or top] = a.name if a.asname else top
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        module = _dotted_module(node.value, bound)
+        if module is not None and module in known:
+            found.append(f"{where}:{node.lineno} reads {module}.{node.attr}, a private name")
+    return found
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def _dotted_module(node: ast.AST, bound: dict[str, str]) -> str | None:
+    """The module a chain like `harness.rank.worker` or `worker` names, if its root is an
+    imported name."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.insert(0, node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bound:
+        return None
+    return ".".join([bound[node.id], *parts])
 
 
 _MODULE_NAMES = {

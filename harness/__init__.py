@@ -17,19 +17,6 @@ from harness.common.faults import Fault, fault_point
 from harness.common.outcome import Ending, RankOutcome
 from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
 
-
-def _installed_version() -> str:
-    """The distribution's version (rankwise, which ships the harness), from its metadata."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rankwise")
-    except PackageNotFoundError:  # imported from a source tree nobody installed
-        return "0+unknown"
-
-
-__version__ = _installed_version()
-
 if TYPE_CHECKING:
     from harness.kept_pool import RankPool, RankPoolError
     from harness.simulate import ThreadedWorldError
@@ -70,6 +57,13 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the distribution's (rankwise, which ships the harness)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("rankwise")
+        except PackageNotFoundError:  # imported from a source tree nobody installed
+            return "0+unknown"
     if name not in _LAZY:
         raise AttributeError(f"module 'harness' has no attribute {name!r}")
     import importlib

@@ -11,7 +11,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import pytest
 
@@ -26,9 +26,10 @@ from harness.common.outcome import (
     Ending,
     RankOutcome,
     ReportStyle,
+    diagnose,
+    failed_ranks,
     failure_text,
     ranks_phrase,
-    root_cause,
     set_up_failure_text,
 )
 from harness.common.protocol import RankSpec
@@ -234,7 +235,7 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
         first, _, rest = text.partition("\n")
         ranks = f"{spec.world_size} rank{'s' if spec.world_size != 1 else ''}"
         message = f"{first}  [{ranks}, {item.nodeid}]\n{rest}"
-        raise _as_the_xfail_marker_expects(item, root_cause(outcomes, spec.expected), message)
+        raise _as_the_xfail_marker_expects(item, outcomes, spec, message)
 
 
 _skipped_at_key = pytest.StashKey[tuple[str, int]]()
@@ -283,23 +284,57 @@ def _fail_a_partial_skip(outcomes: list[RankOutcome]) -> None:
 
 
 def _as_the_xfail_marker_expects(
-    item: pytest.Item, root: RankOutcome | None, message: str
+    item: pytest.Item, outcomes: list[RankOutcome], spec: RankSpec, message: str
 ) -> BaseException:
-    """The failure to raise: pytest.fail's, or for xfail(raises=E) with E (or a subclass)
-    raised on the root cause's rank, an E, which is what pytest's xfail checks."""
+    """The failure to raise: pytest.fail's; or, for xfail(raises=E) where every rank's own
+    failure (the root cause and those that failed on their own account, not the collateral
+    ones) raised an E (or a subclass), an E, which is what pytest's xfail checks. A rank
+    whose own failure is no E fails the test naming it, whichever rank failed first."""
     mark = item.get_closest_marker("xfail")
     raises = mark.kwargs.get("raises") if mark is not None else None
-    failure = pytest.fail.Exception(message, pytrace=False)
-    if raises is None or root is None or root.ending is not Ending.RAISED:
-        return failure
-    wanted = raises if isinstance(raises, tuple) else (raises,)
-    for cls in wanted:
-        if isinstance(cls, type) and issubclass(cls, BaseException) and _named(cls, root):
-            with contextlib.suppress(Exception):
-                error: BaseException = cls.__new__(cls)
-                error.args = (message,)
-                return error
-    return failure
+    if raises is None:
+        return pytest.fail.Exception(message, pytrace=False)
+    wanted = [c for c in (raises if isinstance(raises, tuple) else (raises,)) if _is_error(c)]
+    own = _own_failures(outcomes, spec)
+    unexpected = [o for o in own if _expected_class(wanted, o) is None]
+    if unexpected or not own:
+        shown = (
+            getattr(raises, "__name__", None)
+            or "(" + ", ".join(getattr(c, "__name__", repr(c)) for c in wanted) + ")"
+        )
+        said = "; ".join(f"rank {o.rank}'s failure: {o.describe()}" for o in unexpected)
+        first = f"xfail(raises={shown}) does not expect {said}\n" if said else ""
+        return pytest.fail.Exception(first + message, pytrace=False)
+    cls = _expected_class(wanted, own[0])
+    assert cls is not None
+    with contextlib.suppress(Exception):
+        error: BaseException = cls.__new__(cls)
+        error.args = (message,)
+        return error
+    return pytest.fail.Exception(message, pytrace=False)
+
+
+def _is_error(cls: object) -> TypeGuard[type[BaseException]]:
+    return isinstance(cls, type) and issubclass(cls, BaseException)
+
+
+def _own_failures(outcomes: list[RankOutcome], spec: RankSpec) -> list[RankOutcome]:
+    """The ranks that failed on their own account: the root cause first, then the others
+    no peer caused (the collateral ones left out)."""
+    failed = failed_ranks(outcomes, spec.expected)
+    found = diagnose(outcomes, failed)
+    by_rank = {o.rank: o for o in outcomes}
+    ranks = ([] if found.root is None else [found.root]) + list(found.independent)
+    return [by_rank[r] for r in ranks]
+
+
+def _expected_class(
+    wanted: list[type[BaseException]], outcome: RankOutcome
+) -> type[BaseException] | None:
+    """The first of `wanted` the rank raised (an instance of it: a subclass counts)."""
+    if outcome.ending is not Ending.RAISED:
+        return None
+    return next((cls for cls in wanted if _named(cls, outcome)), None)
 
 
 def _named(cls: type, root: RankOutcome) -> bool:

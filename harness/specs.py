@@ -101,6 +101,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         show_locals=settings.show_locals,
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
+        keep_value=False,  # a test's value only warns: its repr is enough
     )
 
 

@@ -68,11 +68,11 @@ def _pytest_outcome(exc: BaseException) -> Ending | None:
     """SKIPPED or XFAILED for pytest's own skip and xfail, not for a class named alike."""
     if type(exc).__name__ not in PYTEST_OUTCOMES:
         return None
-    import pytest
+    from harness.common.pytest_internals import Skipped, XFailed
 
-    if isinstance(exc, pytest.xfail.Exception):
+    if isinstance(exc, XFailed):
         return Ending.XFAILED
-    return Ending.SKIPPED if isinstance(exc, pytest.skip.Exception) else None
+    return Ending.SKIPPED if isinstance(exc, Skipped) else None
 
 
 def _raised_at(exc: BaseException) -> tuple[str, int] | None:
@@ -127,11 +127,15 @@ def not_reached(key: str, rank: int, missed: BaseException) -> RankOutcome:
     return outcome
 
 
-def returned(key: str, rank: int, value: Any) -> RankOutcome:
+def returned(key: str, rank: int, value: Any, keep_value: bool = True) -> RankOutcome:
+    """A rank that returned `value`: its repr, and (`keep_value`) the value itself pickled,
+    for the pytest side to load."""
     outcome = ended(key, rank, Ending.RETURNED)
     if value is None:
         return outcome
     outcome.value_repr = safe_repr(value)
+    if not keep_value:
+        return outcome
     try:
         outcome.value_blob = pickle.dumps(value)
     except Exception as exc:

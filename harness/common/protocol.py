@@ -153,6 +153,9 @@ class RankSpec:
     # them do when loaded; one whose plugin is off is printed, as Python prints it.
     stray_warnings: frozenset[str] = frozenset({"thread", "unraisable"})
     runxfail: bool = False  # --runxfail: pytest.xfail() does nothing, as in the pytest process
+    # Whether the target's return value travels back whole (run_on_ranks, spawn, rank_pool);
+    # a ranks test's needs only its repr, for pytest's warning.
+    keep_value: bool = True
 
     @property
     def keeps_group(self) -> bool:

@@ -24,6 +24,10 @@ real_xfail = _pytest.outcomes.xfail
 # pytest.fail's exception (pytest.fail.Exception), as a class to derive from: a test failed
 # with this message alone.
 Failed = _pytest.outcomes.Failed
+# pytest.skip's and pytest.xfail's exceptions, bound before any test could patch pytest's
+# names (a rank test's monkeypatch is undone only after its outcome is made).
+Skipped = _pytest.outcomes.Skipped
+XFailed = _pytest.outcomes.XFailed
 
 
 def saferepr(value: object, maxsize: int | None) -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from harness import runner
-from harness.common import endings, environment
+from harness.common import endings, environment, reaper
 from harness.common.errors import HarnessError
 from harness.common.faults import Fault, Injector
 from harness.common.outcome import Ending, RankOutcome, ranks_phrase
@@ -193,7 +193,6 @@ def _run_here(
     outcome, _before = run_body(
         key, session.rank, spec, LaunchedBody(item, session, spec, key, call), started
     )
-    outcome.stdout, outcome.stderr = _captured(item.config)
     group_ok = spec.launch or session.has_group()
     environment.put_back()  # as a warm rank does; changed variables are only reported here
     return outcome, group_ok
@@ -217,6 +216,7 @@ class LaunchedBody:
         self._call = call
         # A launch=True body's own group is its leftover; one its fixtures set up is theirs.
         self._fixtures_group = dist.group.WORLD if spec.launch and dist.is_initialized() else None
+        self._children = set(reaper.leftovers(os.getpid()))  # session fixtures': not the test's
 
     def load(self) -> tuple[Fault, ...]:
         return self._spec.faults_on(self._session.rank)
@@ -240,7 +240,8 @@ class LaunchedBody:
     def after_raise(self, outcome: RankOutcome) -> None:
         pass  # the session drops its group once every rank's outcome is known
 
-    def group_left(self) -> bool:
+    def after_body(self, outcome: RankOutcome) -> bool:
+        outcome.stdout, outcome.stderr = _captured(self._item.config)  # for rank 0's report
         left = (
             self._spec.launch
             and dist.is_initialized()
@@ -249,6 +250,9 @@ class LaunchedBody:
         if left:
             self._session.drop_group()
         return left
+
+    def children_before(self) -> set[int]:
+        return self._children
 
     def env_before(self, env: dict[str, str]) -> dict[str, str]:
         return _unpatched(env, self._item)

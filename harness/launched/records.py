@@ -21,7 +21,7 @@ from rankwise import testing as wire
 
 from harness.common.outcome import Ending, RankOutcome, RankWarning
 
-_SCHEMA = "harness.common.outcome/1"
+_SCHEMA = "harness.outcome/1"  # an identifier of the record, not a module path
 
 
 class RecordError(ValueError):

@@ -60,9 +60,16 @@ class Body(Protocol):
         wait on, tear down what remains, noting on `outcome` what failed doing so."""
         ...
 
-    def group_left(self) -> bool:
-        """Whether the body left a process group of its own initialised (the rank lets it
-        go here: it is the test's hygiene error, never the next test's group)."""
+    def after_body(self, outcome: RankOutcome) -> bool:
+        """Right after the body, before what it left is looked for: what this kind of rank
+        does then (a launched rank takes the body's captured output, and lets a group the
+        body left go). Returns whether the body left a process group of its own initialised
+        (the test's hygiene error, never the next test's group)."""
+        ...
+
+    def children_before(self) -> set[int]:
+        """The processes below this rank that are not the body's to leave (a launched rank's
+        session fixtures'); any other is a leftover, killed."""
         ...
 
     def env_before(self, env: dict[str, str]) -> dict[str, str]:
@@ -80,7 +87,6 @@ def run_body(
     harness's own `body.load` raised."""
     before = hygiene.before_test()
     raw_before = raw_threads.running().keys()
-    children = set(reaper.leftovers(os.getpid()))  # a session fixture's own: not the test's
     # The test's threads may end until its bound (the pytest side's deadline for this run).
     start = time.monotonic() if bound_from is None else bound_from
     threads_until = start + spec.timeout_s - hygiene.REPORT_MARGIN_S
@@ -89,7 +95,8 @@ def run_body(
         with body.around(), Injector(rank, faults).installed() as injector:
             outcome = _ending(key, rank, spec, body, injector)
     outcome.warnings = rank_warnings.collected(log)
-    group_left = body.group_left()
+    group_left = body.after_body(outcome)
+    children = body.children_before()
     if spec.bare:
         _end_daemonic_children()
     left = {pid: line for pid, line in reaper.leftovers(os.getpid()).items() if pid not in children}
@@ -117,7 +124,7 @@ def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector)
     missed = injector.unreached()
     if missed is not None:
         return endings.not_reached(key, rank, missed)
-    return endings.returned(key, rank, value)
+    return endings.returned(key, rank, value, spec.keep_value)
 
 
 def _end_daemonic_children() -> None:

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.common import loopback, signing
+from harness.common import endings, loopback, signing
 from harness.common.protocol import SIMULATED_SET_UP_FAILURES, RankSpec, RunTask
 from harness.common.torchrun_env import torchrun_env
 from harness.rank import group_release, kept_group
 from harness.rank.private_store import PrivateStore
 
+endings.skip_frames_of(__file__)
 # The group's own timeout stays well past the harness's deadline, so a hang is always caught
 # and reported by the harness (stacks, the collective) before gloo unwinds it.
 GROUP_TIMEOUT_MARGIN_S = 120.0

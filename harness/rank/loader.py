@@ -19,8 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.common import pytest_internals
+from harness.common import endings, pytest_internals
 from harness.common.protocol import Target
+
+endings.skip_frames_of(__file__)  # a failed import's traceback starts at the module's code
 
 
 def load_test_module(target: Target) -> None:

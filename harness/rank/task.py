@@ -163,9 +163,12 @@ class WarmBody:
             outcome.notes.append(f"then, tearing its fixtures down: {said}")
             del also
 
-    def group_left(self) -> bool:
+    def after_body(self, outcome: RankOutcome) -> bool:
         task = self._task
         return (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
+
+    def children_before(self) -> set[int]:
+        return set()  # a warm rank has none of its own: whatever runs below it is the test's
 
     def env_before(self, env: dict[str, str]) -> dict[str, str]:
         return env

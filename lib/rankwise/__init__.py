@@ -49,14 +49,14 @@ from rankwise._plan import DistributionPlan, distribution_plan, set_distribution
 from rankwise._run import DistributedState, distributed_run
 
 
-def _installed_version() -> str:
-    """The distribution's version, from its installed metadata (pyproject.toml's)."""
+def __getattr__(name: str) -> str:
+    """`__version__`: the distribution's, from its installed metadata (pyproject.toml's),
+    read when first asked for (a metadata lookup costs tens of ms at every import)."""
+    if name != "__version__":
+        raise AttributeError(f"module 'rankwise' has no attribute {name!r}")
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("rankwise")
     except PackageNotFoundError:  # imported from a source tree nobody installed
         return "0+unknown"
-
-
-__version__ = _installed_version()

@@ -43,7 +43,7 @@ def test_a_hang_is_reported_with_stacks_and_the_session_goes_on(inner: pytest.Py
             "*rank 0 (pid *): hung in barrier [[]collateral[]]*",
         ]
     )
-    result.stdout.no_fnmatch_line("*harness/rank/worker.py*")
+    result.stdout.no_fnmatch_line("*harness/rank/*.py*")  # the stacks start at the test
     assert_all_gone(read_pids(inner.path))
 
 
@@ -423,3 +423,26 @@ def test_an_import_past_its_own_bound_is_reported_as_what_it_is(
         ["*rank ? still importing test_slow_import after 1 s (--rank-import-timeout)*"]
     )
     assert "<frozen importlib._bootstrap>" not in result.stdout.str()  # folded
+    result.stdout.no_fnmatch_line("*harness/rank/*.py*")  # the stack starts at the import
+
+
+def test_a_module_that_fails_to_import_in_the_ranks_shows_its_own_frames(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        test_broken_in_ranks="""
+        import os
+        import pytest
+
+        if os.environ.get("HARNESS_RANK_WORKER") == "1":
+            raise ImportError("only the ranks cannot import this")
+
+        @pytest.mark.ranks(2)
+        def test_a(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ImportError: only the ranks cannot import this*"])
+    result.stdout.no_fnmatch_line("*harness/rank/*.py*")

@@ -69,6 +69,24 @@ def test_a_type_only_import_counts_for_a_circle(tmp_path: Path) -> None:
     assert found == {"harness.b"}
 
 
+def test_a_module_named_in_a_string_counts_as_imported(tmp_path: Path) -> None:
+    """pytest_plugins, _LAZY and importlib.import_module load modules no import names."""
+    graph: object = _import_graph()
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import importlib\n"
+        "pytest_plugins = ['harness.b']\n"
+        "_LAZY = {'X': 'harness.c'}\n"
+        "importlib.import_module('harness.d')\n"
+    )
+    known = {"harness.a", "harness.b", "harness.c", "harness.d"}
+    found = graph.imports_of("harness.a", module, known)  # type: ignore[attr-defined]
+    assert found == {"harness.b", "harness.c", "harness.d"}
+    edges = {"harness.common.x": {"harness"}, "harness.rank.y": {"harness"}}
+    broken = graph.broken_rules(edges)  # type: ignore[attr-defined]
+    assert len(broken) == 2, broken  # the package itself loads the pytest side
+
+
 def test_no_private_name_crosses_modules() -> None:
     graph: object = _import_graph()
     assert graph.private_imports() == []  # type: ignore[attr-defined]
@@ -83,11 +101,17 @@ def test_the_private_name_check_catches_what_it_is_for(tmp_path: Path) -> None:
         "from harness.rank import worker\n"
         "from _pytest.outcomes import Failed\n"
         "worker._load_module('m', None)\n"
+        "import harness.rank.worker\n"
+        "harness.rank.worker._flush()\n"
+        "import rankwise\n"
+        "rankwise._wire.encode(1, 'x')\n"
     )
     found = graph._private_in("harness.rank.adopted", module)  # type: ignore[attr-defined]
-    assert len(found) == 4, found
+    assert len(found) == 6, found
+    assert any("reads harness.rank.worker._flush" in f for f in found)
+    assert any("reads rankwise._wire" in f for f in found)
     assert any("rankwise, another package's private" in f or "_wire" in f for f in found)
-    assert any("reads worker._load_module" in f for f in found)
+    assert any("reads harness.rank.worker._load_module" in f for f in found)
 
 
 def _loaded_after(code: str) -> list[str]:

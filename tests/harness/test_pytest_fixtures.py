@@ -495,6 +495,62 @@ def test_xfail_raises_is_matched_against_the_root_cause_as_pytest_matches(
     result.stdout.fnmatch_lines(["*rank 1 failed: raised TypeError: the root cause*"])
 
 
+def test_xfail_raises_holds_for_every_ranks_own_failure_whichever_came_first(
+    inner: pytest.Pytester,
+) -> None:
+    """xfail(raises=E) is checked against each rank's own failure, not only the first in
+    time: rank 0's expected ValueError came first, and rank 1's KeyError (no peer's doing)
+    made no difference, an XFAIL that hid it. Plain pytest fails a test whose exception is
+    not in `raises`; so does a rank test, naming the rank, whichever rank failed first."""
+    inner.makepyfile(
+        """
+        import time
+        import pytest
+
+        def wait_for(path):
+            deadline = time.monotonic() + 60  # a bound, should rank 0 never write it
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=ValueError)
+        def test_expected_first(rank, shared_tmp_path):
+            if rank == 0:
+                (shared_tmp_path / "raised").touch()
+                raise ValueError("expected")
+            wait_for(shared_tmp_path / "raised")
+            raise KeyError("unrelated")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=ValueError)
+        def test_unexpected_first(rank, shared_tmp_path):
+            if rank == 1:
+                (shared_tmp_path / "raised").touch()
+                raise KeyError("unrelated")
+            wait_for(shared_tmp_path / "raised")
+            raise ValueError("expected")
+
+        @pytest.mark.ranks(2)
+        @pytest.mark.xfail(raises=(ValueError, KeyError))
+        def test_each_own_failure_expected(rank, shared_tmp_path):
+            if rank == 0:
+                (shared_tmp_path / "raised").touch()
+                raise ValueError("expected")
+            wait_for(shared_tmp_path / "raised")
+            raise KeyError("also expected")
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rxXf")
+    result.assert_outcomes(failed=2, xfailed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*xfail(raises=ValueError) does not expect rank 1's failure: raised KeyError: "
+            "'unrelated'*",
+        ]
+    )
+    assert result.stdout.str().count("does not expect rank 1's failure") >= 2
+
+
 def test_only_pytests_own_outcomes_skip_or_xfail(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
