@@ -53,6 +53,9 @@ WHERE_SIZE = 512  # bytes of the shared where-buffer: the labelled collectives a
 OUTPUT_LIMIT = 64 * 1024  # the tail of a rank's stream (or captured log) a report keeps
 # pytest names the test and phase it is in here; it travels apart from the environment.
 CURRENT_TEST = "PYTEST_CURRENT_TEST"
+# The variable naming the fork server's preload directory (in the session's work directory)
+# while the pytest process starts the server (rank/forkserver_preload.py reads it).
+SERVER_DIR = "_HARNESS_PRELOAD_DIR"
 # The harness's own tests set this to make rank 1's first N group set-ups fail.
 SIMULATED_SET_UP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"
 

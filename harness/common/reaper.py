@@ -29,6 +29,29 @@ _ON_LINUX = sys.platform.startswith("linux")
 _WALL = 0x40000000  # Linux's __WALL: children started with clone() too, whatever their signal
 
 
+# In a session's work directory: who owns it, and where multiprocessing keeps its sockets.
+WORKDIR_PREFIX = "harness-"  # tempfile.mkdtemp's prefix for it
+WORKDIR_OWNER = "owner"  # "<pid> <start time>" of the pytest process whose directory it is
+WORKDIR_SOCKETS = "sockets"  # the path of multiprocessing's pymp-XXXX directory, once made
+
+
+def remove_workdir(workdir: str | os.PathLike[str]) -> None:
+    """A session's work directory removed, and the socket directory it records: what a
+    session leaves in TMPDIR, once nothing of it runs. Anything not named as a work
+    directory is left alone."""
+    import shutil
+
+    if not os.path.basename(os.path.normpath(workdir)).startswith(WORKDIR_PREFIX):
+        return
+
+    with contextlib.suppress(OSError):
+        with open(os.path.join(workdir, WORKDIR_SOCKETS)) as f:
+            sockets = f.read().strip()
+        if os.path.basename(sockets).startswith("pymp-"):
+            shutil.rmtree(sockets, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def become_subreaper() -> bool:
     """Make orphaned descendants of this process its children instead of init's."""
     if not _ON_LINUX:

@@ -3,7 +3,8 @@
 Makes the server a child subreaper, so a rank's descendants stay in its tree even when the
 rank dies first, and kills that whole tree when the server exits. The server exits when the
 pytest process that started it is gone, however it went (a normal end, Ctrl-C, SIGTERM or
-SIGKILL), so no descendant of a rank outlives pytest by more than a moment. It is in
+SIGKILL), so no descendant of a rank outlives pytest by more than a moment; and, pytest
+being gone, it removes the session's work directory (its ranks' files) as it goes. It is in
 pytest's process group, so a signal to the whole group (`timeout`, a CI job cancelled, a
 terminal closed) reaches it too: SIGTERM and SIGHUP, which would end it at once without its
 exit handlers, kill the tree first.
@@ -18,14 +19,24 @@ import warnings
 from types import FrameType
 
 from harness.common import reaper
+from harness.common.protocol import SERVER_DIR
 
 # Signals whose default ends the server without running its exit handlers; a rank sets them
 # back to the default (worker.main): it is forked with the server's handlers.
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+# The session's work directory (the preload directory's parent): the pytest process names
+# the preload directory while it starts the server. Only then does the server know it.
+_SERVER_DIR = os.environ.get(SERVER_DIR)
+_WORKDIR = os.path.dirname(_SERVER_DIR) if _SERVER_DIR else None
+_PYTEST = os.getppid()  # the pytest process that started the server
+
+
 def _kill_everything_below_me() -> None:
     reaper.kill_tree(os.getpid())
+    if _WORKDIR is not None and os.getppid() != _PYTEST:  # pytest is gone: none will now
+        reaper.remove_workdir(_WORKDIR)
 
 
 def end_with_the_tree(signum: int, _frame: FrameType | None) -> None:

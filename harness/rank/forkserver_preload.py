@@ -36,8 +36,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from harness.common import reaper
+from harness.common.protocol import SERVER_DIR
 
-PRELOAD_DIR = "_HARNESS_PRELOAD_DIR"
+PRELOAD_DIR = SERVER_DIR
 
 
 def _threads() -> int:

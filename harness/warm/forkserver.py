@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
 import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.common import reaper
-from harness.rank.forkserver_preload import PRELOAD_DIR
+from harness.common.protocol import SERVER_DIR as PRELOAD_DIR
 from harness.warm.preload import PreloadPlan
 
 # Imported by the server before its first fork: every rank starts with them loaded.
@@ -169,6 +170,14 @@ def _harness_importable_there() -> bool:
 def _prepare(ctx: Any) -> None:
     _socket_dir_short_enough()
     ctx.set_forkserver_preload(SERVER_PRELOAD)
+
+
+def socket_directory() -> str | None:
+    """Where multiprocessing keeps the fork server's socket (its pymp-XXXX directory), once
+    the server runs; None before."""
+    if _server_pid() is None:
+        return None
+    return str(multiprocessing.util.get_temp_dir())
 
 
 def _server_pid() -> int | None:

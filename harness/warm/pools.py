@@ -9,19 +9,17 @@ import itertools
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
-from harness.warm import forkserver
+from harness.warm import forkserver, workdir
 from harness.warm.live_output import LiveStreams
 from harness.warm.preload import PreloadPlan
 from harness.warm.processes import Pool, PoolKey, PoolStartError
@@ -55,7 +53,11 @@ class Pools:
         # Per pool, the group every rank kept after the last run, and that run's timeout.
         self._kept: dict[PoolKey, tuple[str, float]] = {}
         self._serial = itertools.count(1)
-        self._workdir = Path(tempfile.mkdtemp(prefix="harness-"))
+        self._workdir = workdir.make()
+        # SIGTERM and SIGHUP (a cancelled CI job, a closed terminal) kill the ranks and remove
+        # the work directory first: their default would end this process without a word.
+        self._signals = workdir.EndingSignals(self._end_now)
+        self._signals.take()
         self.started_pids: set[int] = set()
         # Pools running a run now: a second run for the same key at once (a join=False spawn,
         # then another) gets spare ranks, never a place in the queue of busy ones.
@@ -83,13 +85,16 @@ class Pools:
             ctx, preloaded = forkserver.context(start_method, plan, self._workdir)
         except forkserver.ServerStartError as exc:
             raise PoolStartError(str(exc)) from None
+        workdir.note_sockets(self._workdir, forkserver.socket_directory())
         if preloaded is not None:
             self.preloaded, self._preload_output = preloaded, preloaded.output
         return ctx
 
     def start_server_early(self, early: list[str]) -> bool:
         """Start the fork server before the tests are collected (see forkserver.start_early)."""
-        return forkserver.start_early(self._workdir, early)
+        started = forkserver.start_early(self._workdir, early)
+        workdir.note_sockets(self._workdir, forkserver.socket_directory())
+        return started
 
     def take_preload_output(self) -> str:
         """What the fork server printed preloading the tests' imports; once, then empty."""
@@ -225,10 +230,18 @@ class Pools:
         self._pools.clear()
         forkserver.release_early(self._workdir)  # before its directory goes
         shutil.rmtree(self._workdir, ignore_errors=True)
+        self._signals.give_back()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(reaper.alive(p) for p in self.started_pids):
             time.sleep(0.05)
         return sorted(p for p in self.started_pids if reaper.alive(p))
+
+    def _end_now(self) -> None:
+        """This process is being ended by a signal: its ranks killed, and its work directory
+        and multiprocessing's socket directory removed (nothing else will)."""
+        for pool in list(self._pools.values()):
+            pool.close()
+        reaper.remove_workdir(self._workdir)
 
 
 def _same_counts(outcomes: list[RankOutcome]) -> bool:

@@ -36,7 +36,7 @@ from harness.common.protocol import (
     decode_counts,
     decode_where,
 )
-from harness.warm.live_output import LiveOutput, LiveStreams, tail
+from harness.warm.live_output import LiveStreams, RunOutput, tail
 from harness.warm.run_loop import Cut, RunLoop
 
 # How long a pool may take to start (spawn imports torch once per rank).
@@ -246,7 +246,7 @@ class Pool:
         try:
             if on_start is not None:
                 on_start(self.pids)
-            output = LiveOutput([(s.rank, s.files) for s in self.slots], live)
+            output = RunOutput([(s.rank, s.files) for s in self.slots], live)
             end = RunLoop(self.slots, tasks, output, cut).collect()
             completed = True
         finally:

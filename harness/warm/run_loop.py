@@ -26,7 +26,7 @@ from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.common.protocol import DropGroup, Kind, Message, RankFiles, RunTask
 from harness.stacks import dump_stacks
 from harness.warm import collective_match
-from harness.warm.live_output import LIVE_POLL_S, LiveOutput, tail
+from harness.warm.live_output import BOUND_POLL_S, LIVE_POLL_S, RunOutput, tail
 
 # After one rank fails, how long its peers get to finish before they count as hung. gloo
 # peers fail within milliseconds once the failing rank tears its group down.
@@ -103,7 +103,7 @@ class RunLoop:
         self,
         slots: Sequence[RankSlot],
         tasks: list[RunTask],
-        live: LiveOutput,
+        live: RunOutput,
         cut: Cut | None = None,
         dump: Callable[[dict[int, tuple[int, Path]]], dict[int, str]] = dump_stacks,
     ) -> None:
@@ -160,8 +160,8 @@ class RunLoop:
         self._live.drain(final=True)
         self._name_a_mismatch()
         for slot in self.slots:
-            self.outcomes[slot.rank].stdout = tail(slot.files.stdout)
-            self.outcomes[slot.rank].stderr = tail(slot.files.stderr)
+            self.outcomes[slot.rank].stdout = self._live.report(slot.files.stdout)
+            self.outcomes[slot.rank].stderr = self._live.report(slot.files.stderr)
             self.outcomes[slot.rank].log = tail(slot.files.log).rstrip("\n")
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
@@ -212,7 +212,7 @@ class RunLoop:
         # blocked in one its peers called differently gives no other sign.
         cuttable = self.tasks[0].spec.bare  # a run without a group (harness.spawn's may be cut)
         watched = self._live.enabled or self._on_harness_group or cuttable
-        return LIVE_POLL_S if watched else float("inf")
+        return LIVE_POLL_S if watched else BOUND_POLL_S  # the output files' sizes are watched
 
     @property
     def _on_harness_group(self) -> bool:

@@ -20,7 +20,7 @@ import pytest
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Settled, Target
 from harness.warm.collective_match import MISMATCH_TYPE
-from harness.warm.live_output import LiveOutput, LiveStreams
+from harness.warm.live_output import LiveStreams, RunOutput
 from harness.warm.run_loop import TEST_FAILURE_GRACE, Cut, RunEnd, RunLoop
 
 KEY = "this-run"
@@ -115,7 +115,7 @@ def _run(
     spec = RankSpec(len(slots), timeout_s)
     target = Target("tests.harness.test_run_loop", None, "_run")
     tasks = [RunTask(key, s.rank, spec, target, b"", "store", "p/") for s in slots]
-    output = LiveOutput([(s.rank, s.files) for s in slots], live)
+    output = RunOutput([(s.rank, s.files) for s in slots], live)
     return RunLoop(slots, tasks, output, cut, dumps or Dumps()).collect()
 
 
@@ -181,7 +181,7 @@ def test_an_expected_failure_leaves_the_peers_their_whole_bound(slots: Any) -> N
 
     thread = threading.Thread(target=rank_0_later)
     thread.start()
-    end = RunLoop(ranks, tasks, LiveOutput([], None), None, Dumps()).collect()
+    end = RunLoop(ranks, tasks, RunOutput([], None), None, Dumps()).collect()
     thread.join()
     assert [o.ending for o in end.outcomes] == [Ending.RETURNED, Ending.RAISED]
     assert not end.must_close
