@@ -337,7 +337,7 @@ def _run_and_judge(
     # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
     with runner.pytest_timeout_paused(item):
         # The class's module (and torch's test utilities) under the import's own bound.
-        outcomes = warm.import_ahead(item, spec, case)
+        outcomes = warm.import_ahead(item.config, item, spec, case)
         if all(o.ok for o in outcomes):
             target = packing.function_target(entry)
             outcomes = warm.on_warm_ranks(

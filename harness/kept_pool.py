@@ -19,7 +19,7 @@ from harness.common.outcome import RankOutcome, failure_text
 from harness.common.protocol import RankSpec
 from harness.rank import adopted
 from harness.settings import settings_of, timeout_for
-from harness.spawning import RUN_HYGIENE, encoded_args, nprocs_value, target_of
+from harness.spawning import RUN_HYGIENE, after_import, encoded_args, nprocs_value, target_of
 from harness.warm import session as warm
 
 
@@ -73,7 +73,12 @@ class RankPool:
             {"rank": None, "world_size": None},
         )
         target = packing.function_target(adopted.run_pooled)
-        outcomes = warm.on_warm_ranks(self._config, self._spec, target, blob)
+        outcomes = after_import(
+            self._config,
+            self._spec,
+            fn,
+            lambda: warm.on_warm_ranks(self._config, self._spec, target, blob),
+        )
         rank_warnings.reemit(outcomes)
         report = failure_text(outcomes) or runner.leftovers_text(outcomes)
         if report is not None:

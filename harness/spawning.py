@@ -276,7 +276,12 @@ def spawn(
     )
     target = packing.function_target(adopted.run_spawned)
     context = SpawnContext(
-        lambda started, cut: warm.on_warm_ranks(config, spec, target, blob, started, cut),
+        lambda started, cut: after_import(
+            config,
+            spec,
+            fn,
+            lambda: warm.on_warm_ranks(config, spec, target, blob, started, cut),
+        ),
         spec.timeout_s,
     )
     if not join:
@@ -288,6 +293,26 @@ def spawn(
         return context
     context.join()
     return None
+
+
+def after_import(
+    config: pytest.Config,
+    spec: RankSpec,
+    fn: Callable[..., Any],
+    run: Callable[[], list[RankOutcome]],
+) -> list[RankOutcome]:
+    """`run`, once `fn`'s module is imported on the ranks in a phase of its own, bounded by
+    --rank-import-timeout (a big library's import is no part of the run's own bound); the
+    import's outcomes instead when it failed or ran past that bound."""
+    failed = warm.import_ahead(config, None, spec, _module_target(fn))
+    return failed or run()
+
+
+def _module_target(fn: Callable[..., Any]) -> Target:
+    """The module `fn` comes from, as a target a rank imports (a bound method's class's)."""
+    instance = getattr(fn, "__self__", None)
+    owner = type(instance) if inspect.ismethod(fn) and not isinstance(instance, type) else fn
+    return packing.function_target(owner)
 
 
 def nprocs_value(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from harness import made_in_ranks, packing
+from harness.common import rank_warnings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.seam import skip_without_gpus
@@ -48,7 +49,7 @@ class WarmRanks:
 
     def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
         target = packing.test_target(item)
-        failed = import_ahead(item, spec, target)
+        failed = import_ahead(self._config, item, spec, target)
         if failed:
             return failed
         return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
@@ -97,19 +98,21 @@ def on_warm_ranks(
     return pools_of(config).run(RunRequest(spec, target, args_blob, live, on_start, cut))
 
 
-def import_ahead(item: pytest.Item, spec: RankSpec, target: Target) -> list[RankOutcome]:
-    """Have the warm ranks for `spec` import `target`'s module before `item` runs, once per
-    ranks and module version: a phase with its own bound (--rank-import-timeout), so that a
-    test's timeout bounds its body, not a big library's import. Empty when the module is
-    loaded (what the ranks printed and warned importing it is kept for `item`'s report:
-    take_import_output); else every rank's outcome (an import that failed or ran past its
-    bound is the test's failure, reported as what it is)."""
+def import_ahead(
+    config: pytest.Config, item: pytest.Item | None, spec: RankSpec, target: Target
+) -> list[RankOutcome]:
+    """Have the warm ranks for `spec` import `target`'s module before `item` (a test, or a
+    harness.spawn or rank_pool run) runs, once per ranks and module version: a phase with
+    its own bound (--rank-import-timeout), so that a run's timeout bounds the run, not a big
+    library's import. Empty when the module is loaded (what the ranks printed and warned
+    importing it is kept for `item`'s report: take_import_output; without an item, the
+    warnings are re-emitted); else every rank's outcome (an import that failed or ran past
+    its bound is the run's failure, reported as what it is)."""
     from harness.rank import loader
     from harness.settings import settings_of
     from harness.stacks import fold_importlib
     from harness.warm.processes import PoolKey
 
-    config = item.config
     pools = pools_of(config)
     try:  # a module not named like a test file is imported by name (no file: no stamp)
         stamp = None if target.file is None else Path(target.file).stat().st_mtime_ns
@@ -124,7 +127,10 @@ def import_ahead(item: pytest.Item, spec: RankSpec, target: Target) -> list[Rank
                              encode_args((target,), {}))  # fmt: skip
     if all(o.ok for o in outcomes):
         pools.modules_loaded.add(key)
-        item.stash[_import_output_key] = (target.module, outcomes)
+        if item is None:
+            rank_warnings.reemit(outcomes)
+        else:
+            item.stash[_import_output_key] = (target.module, outcomes)
         return []
     for o in outcomes:
         if o.ending is Ending.HUNG and not o.after_failure:

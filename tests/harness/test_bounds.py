@@ -368,6 +368,66 @@ def test_importing_the_test_module_is_not_counted_in_the_tests_bound(
     inner.runpytest("-p", "harness").assert_outcomes(passed=2)
 
 
+SLOW_TO_IMPORT_FOR_SPAWN = """
+import os, threading
+import harness
+
+if os.environ.get("HARNESS_RANK_WORKER"):  # in the ranks: an import as slow as a big library's
+    threading.Event().wait(float(os.environ.get("SLOW_IMPORT_S", "3")))
+
+
+def work(rank, *args):
+    return rank
+"""
+
+
+def test_a_spawned_or_pooled_functions_module_is_imported_outside_the_runs_bound(
+    inner: pytest.Pytester,
+) -> None:
+    """harness.spawn, RankPool and rank_pool import the function's module on the ranks in a
+    phase of its own (--rank-import-timeout), as a ranks test's module is: under load the
+    ranks still imported torch's test utilities at the run's 15 s bound, a false red."""
+    inner.makepyfile(
+        slow_helpers=SLOW_TO_IMPORT_FOR_SPAWN,
+        test_runs="""
+        import harness
+        import slow_helpers
+
+        def test_spawn():
+            harness.spawn(slow_helpers.work, nprocs=2, timeout=2)
+
+        def test_pool(pytestconfig):
+            pool = harness.RankPool(pytestconfig, world_size=2, timeout=2)
+            assert pool.run(slow_helpers.work) == [0, 1]
+
+        def test_fixture(rank_pool):
+            assert rank_pool.run(slow_helpers.work) == [0, 1]
+        """,
+    )
+    inner.runpytest("-p", "harness", "--ranks", "2").assert_outcomes(passed=3)
+
+
+def test_a_spawned_functions_module_that_cannot_be_imported_fails_the_run_saying_so(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLOW_IMPORT_S", "60")
+    inner.makepyfile(
+        slow_helpers=SLOW_TO_IMPORT_FOR_SPAWN,
+        test_runs="""
+        import harness
+        import slow_helpers
+
+        def test_spawn():
+            harness.spawn(slow_helpers.work, nprocs=2)
+        """,
+    )
+    result = inner.runpytest("-p", "harness", "--rank-import-timeout", "1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*rank ? still importing slow_helpers after 1 s (--rank-import-timeout)*"]
+    )
+
+
 PRINTS_WHILE_IMPORTED = """
 import os, sys, warnings, pytest
 
