@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import packing, runner
+from harness import packing, runner, seeds
 from harness.common import rank_warnings
 from harness.common.errors import SpecError
 from harness.common.outcome import Ending, RankOutcome
@@ -326,6 +326,7 @@ def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
         warning_filters=rank_warnings.filters_for(item.config, item),
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
+        seed=seeds.for_test(settings.seed, item.nodeid),
     )
 
 

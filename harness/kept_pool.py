@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from harness import packing, runner
+from harness import packing, runner, seeds
 from harness.common import rank_warnings
 from harness.common.outcome import RankOutcome, failure_text
 from harness.common.protocol import RankSpec
@@ -59,6 +59,7 @@ class RankPool:
             warning_filters=rank_warnings.filters_for(config, None),
             stray_warnings=settings.stray_warnings,
             runxfail=settings.runxfail,
+            seed=seeds.for_test(settings.seed, ""),  # the session's pool: one seed for it
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

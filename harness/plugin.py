@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, runner, seam, settings, specs
+from harness import made_in_ranks, packing, runner, seam, seeds, settings, specs
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
@@ -21,10 +21,11 @@ from harness.warm import preload
 from harness.warm import session as warm
 
 MARKERS = (
-    "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False): run the test "
-    "body on every rank of a world of each size (default --ranks); launch=True gives torchrun's "
-    "environment and no process group; timeout in seconds overrides --rank-timeout; "
-    "fresh_group=True never runs on a group kept from an earlier test",
+    "ranks(*sizes, timeout=None, launch=False, backend=None, fresh_group=False, "
+    "same_seed=False): run the test body on every rank of a world of each size (default "
+    "--ranks); launch=True gives torchrun's environment and no process group; timeout in "
+    "seconds overrides --rank-timeout; fresh_group=True never runs on a group kept from an "
+    "earlier test; same_seed=True seeds every rank alike (default: the session seed + rank)",
     "gpu: needs CUDA GPUs (one per rank); skipped where there are too few",
     "fault(rank=1, kind='raise', at='start', nth=1, exc=None, code=1, signal='SIGKILL', "
     "seconds=1.0): inject a fault on a rank of a ranks test (repeatable; or Fault objects)",
@@ -76,8 +77,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _sessions.add(config)
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    launch = settings.configure(config).launched
+    session_settings = settings.configure(config)
+    launch = session_settings.launched
     seam.use(config, warm.WarmRanks(config))
+    if config.pluginmanager.hasplugin("xdist"):  # its workers seed from this process's seed
+        config.pluginmanager.register(seeds.XdistHooks(session_settings.seed), "harness-seeds")
     if launch is not None:  # the one question asked: the launch's hooks then answer the rest
         from harness.launched.hooks import LaunchedPlugin
 
@@ -207,6 +211,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return settings.settings_of(config).seed.header()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

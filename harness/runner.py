@@ -234,7 +234,8 @@ def judge(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> Non
     if text is not None:
         first, _, rest = text.partition("\n")
         ranks = f"{spec.world_size} rank{'s' if spec.world_size != 1 else ''}"
-        message = f"{first}  [{ranks}, {item.nodeid}]\n{rest}"
+        seeded = settings_of(item.config).seed.report_line()
+        message = f"{first}  [{ranks}, {item.nodeid}]\n{rest}\n{seeded}"
         raise _as_the_xfail_marker_expects(item, outcomes, spec, message)
 
 

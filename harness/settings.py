@@ -10,11 +10,12 @@ The session's values are resolved once, in ``pytest_configure``, into a frozen
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import pytest
 
+from harness import seeds
 from harness.common import launch_detect, pytest_internals
 from harness.common.endings import SHORT_LOCALS
 from harness.common.errors import SpecError, invalid
@@ -59,6 +60,12 @@ OPTIONS: list[tuple[str, str, str]] = [
     ),
     ("rank_adopt", "run torch's MultiProcessTestCase suites on warm ranks: torch", "KIND"),
     (
+        "rank_seed",
+        "the session seed every rank's generators are seeded from, per test (default: "
+        "pytest-randomly's seed when it runs, else one drawn and printed in the header)",
+        "N",
+    ),
+    (
         "rank_secret_file",
         "under torchrun: a file only you can read (mode 0600) holding the secret that signs "
         "the harness's values in torchrun's store (or set HARNESS_SECRET)",
@@ -94,6 +101,8 @@ class Settings:
     # Under torchrun: the secret the user gave (HARNESS_SECRET or --rank-secret-file) that
     # signs the harness's values in torchrun's store; None runs unsigned (and says so).
     secret: bytes | None = field(default=None, repr=False)
+    # The seed the ranks' generators are seeded from, test by test (see seeds.py).
+    seed: seeds.SessionSeed = field(default_factory=lambda: seeds.SessionSeed(0, "drawn"))
 
     def threads_for(self, world_size: int) -> int | None:
         """Intra-op threads for each rank of a world: None leaves torch's own choice.
@@ -153,6 +162,7 @@ def configure(config: pytest.Config) -> Settings:
             stray_warnings=_stray_warnings(config),
             runxfail=bool(config.getoption("runxfail", False)),
             secret=_secret(config) if launched is not None else None,
+            seed=seeds.resolve(config, _from_option(config, "rank_seed", None, _seed)),
         )
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -281,6 +291,22 @@ def world_size_value(value: Any, origin: str) -> int:
     if number < 1 or isinstance(value, bool) or str(number) != str(value).strip():
         raise SpecError(invalid("world size", value, origin, "use an int >= 1"))
     return number
+
+
+def _seed(value: Any, origin: str) -> int:
+    try:
+        seed = int(value)
+    except (TypeError, ValueError):
+        seed = -1
+    if seed < 0 or isinstance(value, bool | float):
+        raise SpecError(invalid("seed", value, origin, "use an int >= 0"))
+    return seed
+
+
+def use_seed(config: pytest.Config, seed: seeds.SessionSeed) -> None:
+    """Seed the ranks from `seed` from now on (under torchrun: rank 0's, agreed at the
+    session's start, before any test is collected)."""
+    config.stash[_settings_key] = replace(settings_of(config), seed=seed)
 
 
 def _threads(value: Any, origin: str) -> int:

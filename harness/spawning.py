@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness import packing
+from harness import packing, seeds
 from harness.common import rank_warnings
 from harness.common.errors import SpecError, invalid
 from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
@@ -270,6 +270,7 @@ def spawn(
         warning_filters=rank_warnings.filters_for(config, item),
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
+        seed=seeds.for_test(settings.seed, item.nodeid if item is not None else ""),
     )
     blob = encoded_args(
         "harness.spawn", (target_of(fn, "harness.spawn"), tuple(args)), {"rank": None}

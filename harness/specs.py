@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from harness import seeds
 from harness.common import expect as expectations
 from harness.common import faults as fault_specs
 from harness.common import hygiene, rank_warnings
@@ -28,7 +29,7 @@ from harness.settings import (
 )
 
 WORLD_PARAM = "_harness_world_size"
-RANKS_OPTIONS = ("timeout", "launch", "backend", "fresh_group")
+RANKS_OPTIONS = ("timeout", "launch", "backend", "fresh_group", "same_seed")
 # Markers that only mean something on a ranks test.
 RANK_TEST_MARKERS = ("fault", "expect", "allow_leftovers")
 # Where a ranks test's spec is kept (its items' stash), or the error its markers are.
@@ -78,7 +79,7 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
                 "option(s)",
                 sorted(unknown),
                 origin,
-                "use timeout=, launch=, backend= or fresh_group=",
+                "use timeout=, launch=, backend=, fresh_group= or same_seed=",
             )
         )
     world_size = _world_size_of(item, mark, settings)
@@ -102,6 +103,8 @@ def spec_for(item: pytest.Function, settings: Settings) -> RankSpec:
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
         keep_value=False,  # a test's value only warns: its repr is enough
+        seed=seeds.for_test(settings.seed, item.nodeid),
+        same_seed=flag_value("same_seed", mark, origin),
     )
 
 
@@ -188,4 +191,5 @@ def spec_for_call(
         show_locals=settings.show_locals,
         stray_warnings=settings.stray_warnings,
         runxfail=settings.runxfail,
+        seed=seeds.for_test(settings.seed, node.nodeid if node is not None else ""),
     )

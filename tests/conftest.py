@@ -1,1 +1,27 @@
-"""Shared test settings: the plugin under test is loaded by pyproject's addopts (-p harness)."""
+"""Shared test settings: the plugin under test is loaded by pyproject's addopts (-p harness).
+
+pytest-randomly and pytest-rerunfailures (installed for the plugins lane) act in every
+session that loads them (randomly shuffles and reseeds; rerunfailures listens on a port
+under xdist): pyproject's addopts keeps them off here, and the inner sessions the tests run
+(pytester's, in-process or in a subprocess, and other pytest subprocesses) keep them off
+through PYTEST_ADDOPTS, unless a test turns one on (`-p randomly` on its command line).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+PLUGINS_OFF = "-p no:randomly -p no:rerunfailures"
+os.environ["PYTEST_ADDOPTS"] = " ".join(
+    part for part in (os.environ.get("PYTEST_ADDOPTS", ""), PLUGINS_OFF) if part
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_randomly_in_inner_sessions(request: pytest.FixtureRequest) -> None:
+    """pytester empties PYTEST_ADDOPTS for its test: put pytest-randomly's opt-out back."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")
+        request.getfixturevalue("monkeypatch").setenv("PYTEST_ADDOPTS", PLUGINS_OFF)

@@ -159,6 +159,10 @@ class RankSpec:
     # Whether the target's return value travels back whole (run_on_ranks, spawn, rank_pool);
     # a ranks test's needs only its repr, for pytest's warning.
     keep_value: bool = True
+    # Each rank seeds random, torch and numpy with seed + rank (seed alone: same_seed) before
+    # the body; None: from os.urandom (see seeds.py).
+    seed: int | None = None
+    same_seed: bool = False
 
     @property
     def keeps_group(self) -> bool:

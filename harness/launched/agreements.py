@@ -17,15 +17,20 @@ from typing import Any
 
 import pytest
 
+from harness import seeds
 from harness.launched import records
 from harness.launched.session import AGREE_S, LaunchedSession
+from harness.settings import settings_of, use_seed
 
 
 def agree_on_backend(launched: LaunchedSession) -> None:
-    """Every rank must use the same backend (GPUs may differ between nodes). Each rank
-    also gives a random word; the session goes on under a prefix made from them all."""
+    """Every rank must use the same backend (GPUs may differ between nodes), and seeds its
+    generators from rank 0's session seed. Each rank also gives a random word; the session
+    goes on under a prefix made from them all."""
     assert launched.peers is not None
-    found = launched.gather("backend", f"{launched.backend} {launched.peers.nonce}", AGREE_S)
+    seed = settings_of(launched.config).seed
+    said = f"{launched.backend} {seed.value}/{seed.source} {launched.peers.nonce}"
+    found = launched.gather("backend", said, AGREE_S)
     backends = [_text(b).split(" ")[0] if b is not None else None for b in found]
     if len(set(backends)) > 1:
         each = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
@@ -34,6 +39,7 @@ def agree_on_backend(launched: LaunchedSession) -> None:
             f"harness: the launched ranks would use different backends ({each}); give "
             f"every rank the same --rank-backend",
         )
+    _take_rank_0s_seed(launched, found[0])
     launched.peers.freshen([(b or b"").rpartition(b" ")[2] for b in found])
     launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
     if not all(launched.gather("fresh", "1", AGREE_S)):
@@ -44,6 +50,15 @@ def agree_on_backend(launched: LaunchedSession) -> None:
             f"those ranks ended, they were shown another rank's word replaced by a process "
             f"that reaches torchrun's store (see docs/security.md)",
         )
+
+
+def _take_rank_0s_seed(launched: LaunchedSession, said: bytes | None) -> None:
+    """Seed from rank 0's session seed (each launched pytest drew or read its own); a word
+    that is not the harness's leaves this rank's own."""
+    words = _text(said).split(" ")
+    value, _, source = words[1].partition("/") if len(words) == 3 else ("", "", "")
+    if value.isdigit() and source in ("pytest-randomly", "--rank-seed", "drawn"):
+        use_seed(launched.config, seeds.SessionSeed(int(value), source))
 
 
 def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item]) -> None:

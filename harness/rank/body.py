@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
+
+import torch
 
 from harness.common import endings, hygiene, rank_warnings, reaper
 from harness.common.faults import Fault, Injector
@@ -85,6 +89,7 @@ def run_body(
     back what its kind of rank restores). `bound_from`: when the run's bound began (its
     time.monotonic(); by default now). Raises only what `body.reraised` names, and what the
     harness's own `body.load` raised."""
+    seed_generators(spec.seed, rank, spec.same_seed)
     before = hygiene.before_test()
     raw_before = raw_threads.running().keys()
     # The test's threads may end until its bound (the pytest side's deadline for this run).
@@ -125,6 +130,22 @@ def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector)
     if missed is not None:
         return endings.not_reached(key, rank, missed)
     return endings.returned(key, rank, value, spec.keep_value)
+
+
+def seed_generators(seed: int | None, rank: int, same: bool) -> None:
+    """Seed this rank's random, torch (CPU and CUDA) and numpy generators for the body: with
+    `seed` + `rank` (`seed` alone when `same`), by seeds.py's rule; from os.urandom when no
+    seed is given (warm ranks share the fork server's generator state: unseeded, every rank
+    drew the same numbers, and a test of gradient averaging passed with no averaging)."""
+    if seed is None:
+        value = int.from_bytes(os.urandom(8), "little")
+    else:
+        value = (seed + (0 if same else rank)) % 2**64
+    random.seed(value)
+    torch.manual_seed(value)  # the CPU generator, and every CUDA device's where CUDA is up
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(value % 2**32)
 
 
 def _end_daemonic_children() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import sys
 import time
 import traceback
@@ -27,7 +26,7 @@ from harness.common.launch_detect import IN_RANK_WORKER
 from harness.common.outcome import Ending, RankOutcome, exit_code
 from harness.common.protocol import CURRENT_TEST, FixturePlan, RequestInfo, RunTask, decode_args
 from harness.common.pytest_internals import real_xfail
-from harness.rank import group, group_release, kept_group, lasting, loader, logs, state
+from harness.rank import group, group_release, kept_group, lasting, loader, logs
 from harness.rank.body import run_body
 from harness.rank.fixtures import RankFixtures
 
@@ -208,7 +207,6 @@ def _apply_environment(task: RunTask) -> environment.Snapshot:
 
 
 def _enter_test_context(task: RunTask) -> None:
-    _draw_own_random_numbers()
     if task.sys_path:
         sys.path[:] = task.sys_path
     os.chdir(task.cwd)
@@ -219,21 +217,6 @@ def _enter_test_context(task: RunTask) -> None:
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(task.device))
     group.enter(task)
-
-
-def _draw_own_random_numbers() -> None:
-    """Seed this rank's generators afresh, as a new process's are, before each test: warm
-    ranks share the forkserver's generator state, and a test that seeds every rank alike
-    leaves them so, and every rank then drew the same numbers (a test of gradient averaging
-    passed with no averaging). A test that seeds its generators is not affected. ~20 us."""
-    seed = int.from_bytes(os.urandom(8), "little")
-    torch.default_generator.manual_seed(seed)
-    if state.cuda_device() is not None:  # CUDA in use here
-        torch.cuda.manual_seed_all(seed)
-    random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
 
 
 def _no_op_xfail(reason: str = "") -> None:

@@ -10,6 +10,7 @@ from harness.common.errors import SpecError
 from harness.common.expect import ExpectationError, Expected, Wanted
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import LogCapture
+from harness.seeds import SessionSeed
 from harness.settings import DEFAULT_TIMEOUT_S, Settings, settings_of, timeout_for
 from harness.specs import spec_for, spec_for_call
 
@@ -41,8 +42,10 @@ def _items(pytester: pytest.Pytester, source: str, *args: str) -> dict[str, pyte
 def test_the_command_line_wins_over_the_ini_and_values_are_checked_once(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeini("[pytest]\nranks = 3\nrank_timeout = 12\nrank_start_method = spawn\n")
-    config = pytester.parseconfigure("-p", "harness", "--ranks", "5")
+    pytester.makeini(
+        "[pytest]\nranks = 3\nrank_timeout = 12\nrank_start_method = spawn\nrank_seed = 7\n"
+    )
+    config = pytester.parseconfigure("-p", "harness", "--ranks", "5", "--rank-seed", "8")
     settings = settings_of(config)
     assert settings == Settings(
         ranks=5,
@@ -50,6 +53,7 @@ def test_the_command_line_wins_over_the_ini_and_values_are_checked_once(
         start_method="spawn",
         backend="gloo",
         log_capture=settings.log_capture,  # pytest's own settings: see the next test
+        seed=SessionSeed(8, "--rank-seed"),
     )
 
 
