@@ -11,6 +11,7 @@ import time
 from functools import cache
 from pathlib import Path
 
+from harness.common import reaper
 from harness.common.protocol import DUMP_STACKS_SIGNAL
 
 STACK_DUMP_WAIT_S = 3.0
@@ -18,14 +19,54 @@ _POLL_S = 0.05
 
 
 def dump_stacks(ranks: dict[int, tuple[int, Path]]) -> dict[int, str]:
-    """Signal each rank ({rank: (pid, stack file)}) to dump its stacks; return them trimmed."""
+    """Signal each rank ({rank: (pid, stack file)}) to dump its stacks; return them trimmed,
+    each followed by the stacks of the copies of it the test forked (a rank waiting on its
+    child shows little but the wait: the child is where it hangs)."""
     for pid, path in ranks.values():
         with contextlib.suppress(OSError):
             path.write_bytes(b"")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, DUMP_STACKS_SIGNAL)
     _await_dumps([path for _, path in ranks.values()])
-    return {rank: trim_stack(_read(path)) for rank, (_, path) in ranks.items()}
+    found = {rank: trim_stack(_read(path)) for rank, (_, path) in ranks.items()}
+    for rank, (pid, path) in ranks.items():
+        found[rank] += _forked_copies_stacks(pid, path)
+    return found
+
+
+FORKED_COPIES_SHOWN = 8
+
+
+def _forked_copies_stacks(pid: int, path: Path) -> str:
+    """The stacks of the processes below rank `pid` that are forks of it (the same command
+    line: they inherited its stack dump, which writes to `path`), one after the other."""
+    texts = []
+    for child in _forked_copies(pid)[:FORKED_COPIES_SHOWN]:
+        with contextlib.suppress(OSError):
+            path.write_bytes(b"")
+        try:
+            os.kill(child, DUMP_STACKS_SIGNAL)
+        except ProcessLookupError:
+            continue
+        _await_dumps([path])
+        stack = trim_stack(_read(path))
+        if stack.strip():
+            texts.append(f"\n-- a process this rank forked (pid {child}) --\n{stack}")
+    return "".join(texts)
+
+
+def _forked_copies(pid: int) -> list[int]:
+    own = _cmdline(pid)
+    if not own:
+        return []
+    return [child for child in reaper.descendants(pid) if _cmdline(child) == own]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _await_dumps(paths: list[Path]) -> None:

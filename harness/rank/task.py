@@ -143,8 +143,15 @@ class WarmBody:
         except BaseException as exc:
             end_if_a_forked_copy(exc)
             raise
+        # The test's values go now, while stray exceptions are watched: a __del__ that raises
+        # as they go is the test's, as in a plain test's teardown (after, it was lost).
+        self._let_values_go()
         if self._stray is not None:
             self._stray.warn()  # exceptions in its threads or __del__, as pytest warns of them
+
+    def _let_values_go(self) -> None:
+        self._fn, self._args, self._kwargs, self._plan = None, (), {}, None
+        self._fixtures = None
 
     def after_raise(self, outcome: RankOutcome) -> None:
         """Peers blocked on this rank fail now instead of at their timeout, and so does a

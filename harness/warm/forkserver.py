@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,10 +195,32 @@ def _launch(workdir: Path, early: Sequence[str]) -> Path:
     (directory / "early").write_text("\n".join(early) + "\n")
     os.environ[PRELOAD_DIR] = str(directory)  # read, then dropped, by the server
     try:
-        multiprocessing.forkserver.ensure_running()
+        with _output_into(directory / "output"):
+            multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.pop(PRELOAD_DIR, None)
     return directory
+
+
+@contextlib.contextmanager
+def _output_into(path: Path) -> Iterator[None]:
+    """Start the server with its stdout and stderr going to `path`, as its preload's output
+    does: what it prints as it imports torch (a warning, say) is shown on the first test's
+    report, or nowhere if no test uses ranks, never raw on pytest's terminal."""
+    for stream in (sys.stdout, sys.stderr):  # what this process wrote stays its own
+        with contextlib.suppress(Exception):
+            stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for each in (fd, *saved):
+            os.close(each)
 
 
 def _hand_over(directory: Path, plan: PreloadPlan) -> None:

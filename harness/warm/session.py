@@ -237,7 +237,8 @@ def preload_summary(config: pytest.Config, verbose: bool) -> list[str]:
     if verbose:
         lines.append(
             f"harness: the fork server preloaded {done.modules} modules the tests import in "
-            f"{done.seconds:.1f} s (--rank-preload none: each rank imports them itself)"
+            f"{done.seconds:.1f} s, so that ranks start with them (--rank-preload none turns "
+            f"it off)"
         )
     if done.failed:
         shown = done.failed if verbose else done.failed[:3]

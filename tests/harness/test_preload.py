@@ -76,6 +76,10 @@ def test_installed_modules_the_tests_import_are_imported_once_in_the_fork_server
         ]
     )
     assert result.stdout.str().count("loading installed_mod") == 1  # once, not per rank
+    # The line says what was done, and how to turn it off, without reading as its opposite.
+    result.stdout.fnmatch_lines(
+        ["*preloaded * s, so that ranks start with them (--rank-preload none turns it off)"]
+    )
 
 
 def test_with_rank_preload_none_each_rank_imports_them(inner: pytest.Pytester) -> None:
@@ -190,6 +194,25 @@ def test_the_fork_server_starts_during_collection_once_a_session_started_ranks(
     monkeypatch.setenv("EXPECT_EARLY", "0")
     monkeypatch.setenv("EXPECT_PRELOADED", "0")
     run("--rank-preload", "none").assert_outcomes(passed=2)
+
+
+def test_what_the_fork_server_prints_goes_into_a_report_or_nowhere(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server started early wrote on the terminal (torch's "Failed to initialize NumPy"
+    as it imported torch, inside the first test's -v line), in a session with no ranks test
+    at that. Python's import-time profile stands for such output here: the server writes it
+    for each module it imports, and only the server imports the worker."""
+    _project(inner)
+    inner.makepyfile(EARLY)
+    run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
+    monkeypatch.setenv("EXPECT_EARLY", "0")
+    run().assert_outcomes(passed=2)  # ranks started: the next session starts its server early
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    monkeypatch.setenv("EXPECT_EARLY", "1")
+    result = run("-k", "plain")
+    result.assert_outcomes(passed=1)
+    assert "harness.rank.worker" not in result.stdout.str() + result.stderr.str()
 
 
 def test_an_early_server_imports_with_the_environment_the_conftests_set(

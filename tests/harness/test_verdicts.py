@@ -766,6 +766,80 @@ def test_a_ranks_tests_return_value_travels_as_its_repr_only(inner: pytest.Pytes
     assert len(list(where.iterdir())) == 2  # the call's values did travel
 
 
+def test_an_exception_in_del_as_a_ranks_test_lets_its_values_go_is_reported(
+    inner: pytest.Pytester,
+) -> None:
+    """A value the test's fixtures gave it whose __del__ raises when the test lets it go was
+    lost in a rank (2 passed, nothing on any stream, under -W error): the rank freed it after
+    it had looked for stray exceptions. A plain test's fixture is reported at its teardown."""
+    inner.makepyfile(
+        """
+        import os
+        import pytest
+
+        class Noisy:
+            def __del__(self):
+                if os.environ.get("HARNESS_RANK_WORKER"):  # the ranks' copies only
+                    raise RuntimeError("from __del__ of the fixture's value")
+
+        @pytest.fixture
+        def made_here():
+            return Noisy()  # made in the pytest process; each rank gets a copy
+
+        @pytest.fixture
+        def made_in_the_rank(rank):
+            yield Noisy()
+
+        @pytest.mark.ranks(2)
+        def test_copy(made_here):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_own(made_in_the_rank):
+            pass
+        """
+    )
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        result = inner.runpytest(
+            "-p", "harness", "-W", "error::pytest.PytestUnraisableExceptionWarning"
+        )
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*raised PytestUnraisableExceptionWarning*Noisy.__del__*"])
+
+
+def test_a_hang_in_a_process_a_rank_forked_shows_that_process_and_its_stack(
+    inner: pytest.Pytester,
+) -> None:
+    """A rank that forks a child which hangs: the report showed only the rank waiting for it
+    (os.waitpid); the child, and where it hangs, is named."""
+    inner.makepyfile(
+        """
+        import os, threading
+        import pytest
+
+        def the_child_waits_here():
+            threading.Event().wait()
+
+        @pytest.mark.ranks(2, timeout=3)
+        def test_forks(rank):
+            if rank == 1:
+                child = os.fork()
+                if child == 0:
+                    the_child_waits_here()
+                os.waitpid(child, 0)
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*-- a process this rank forked (pid *) --*",
+            "*in the_child_waits_here*",
+        ]
+    )
+
+
 def test_a_rank_waiting_in_a_functional_collective_names_the_peer_that_returned(
     inner: pytest.Pytester,
 ) -> None:
