@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-loaded bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-plugins test-loaded bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,12 +26,12 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation and not plugins" -ra
 
 # Whole-process checks (pytest sessions in subprocesses: kills, Ctrl-C, start methods,
 # torchrun launches, adopted suites) and the failure matrix: minutes. CI runs it after test.
 test-slow: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation and not plugins" -ra
 
 # The failure matrix at 2, 4 and 8 ranks (slow: minutes); also selected by -m slow.
 test-faults: $(STAMP)
@@ -41,6 +41,12 @@ test-faults: $(STAMP)
 # must not see it (a minute). CI runs it after test-slow.
 test-isolation: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
+
+# The plugins CI runs (pytest-cov and coverage run, pytest-randomly, hypothesis,
+# pytest-rerunfailures, pytest-repeat) against ranks tests at 2 and 4 ranks, warm and fresh:
+# each a whole session in a subprocess (minutes). CI runs it after test-isolation.
+test-plugins: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m plugins -ra
 
 # make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
 # the same verdicts as on a quiet machine (15-25 minutes on 2 cores; not in .ci/run).

@@ -10,6 +10,7 @@ from benchmarks import (
     adopt,
     collectives,
     compute,
+    coverage_cost,
     harness_overhead,
     plots,
     preload,
@@ -67,6 +68,9 @@ def main() -> int:
     lines += signing.main()
     print("measuring the ranks' private store against a TCPStore...", flush=True)
     lines += ["", "## The ranks' private store", "", *private_store.main()]
+    print("measuring coverage in ranks against coverage in plain tests...", flush=True)
+    lines += coverage_cost.main()
+    _write(lines)
     print("measuring rank starts with the tests' imports preloaded...", flush=True)
     lines += ["", "## Ranks started with the tests' imports loaded", "", *preload.main()]
     lines.append(f"Total benchmark time: {time.perf_counter() - started:.0f} s")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, runner, seam, seeds, settings, specs
+from harness import made_in_ranks, measured, packing, runner, seam, seeds, settings, specs
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
@@ -225,6 +225,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     warm.close_pools(config)  # idempotent; covers an interrupted session
+    measured.combine_ranks_data()  # under coverage run: the ranks' lines count in its report
     _sessions.discard(config)
     if not _sessions:  # the last in this process (pytester runs sessions inside another)
         warm.stop_forkserver_if_started()

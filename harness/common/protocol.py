@@ -132,6 +132,23 @@ def device_for(backend: Backend, rank: int) -> str:
 
 
 @dataclass(frozen=True)
+class CoverageSetup:
+    """How a rank measures coverage: as the Coverage measuring the pytest process does."""
+
+    data_file: str  # absolute: a rank's data goes beside it, under RANK_DATA_SUFFIX
+    config_file: str | None  # the one the pytest process read (None: none)
+    source: tuple[str, ...] | None
+    source_pkgs: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    omit: tuple[str, ...] = ()
+    branch: bool = False
+
+
+# A rank's coverage data file is <data_file>.<RANK_DATA_SUFFIX>.<host>.<pid>.<n>.
+RANK_DATA_SUFFIX = "harness-rank"
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """How one test (or run_on_ranks call) runs: its world, its bound, its mode, its checks."""
 
@@ -187,6 +204,7 @@ _STABLE_FIELDS = (
     "sys_path",
     "cwd",
     "env",
+    "coverage",
 )
 
 
@@ -236,6 +254,7 @@ class RunTask:
     # The session's secret for the keys the ranks write in the pytest process's store (see
     # signing.py): it travels over the rank's private pipe only.
     secret: bytes | None = None
+    coverage: CoverageSetup | None = None  # the rank measures coverage so (see measured.py)
     # What it has in common with the other ranks' tasks of its run, pickled once for them all.
     _common: _Common = field(default_factory=_Common, init=False, compare=False, repr=False)
 

@@ -23,7 +23,7 @@ from harness.common import faults
 from harness.common.launch_detect import Launch
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
-from harness.launched import agreements, body, terminal, verdicts
+from harness.launched import agreements, body, coverage, terminal, verdicts
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
 from harness.launched.watch import FixtureTimer
@@ -99,6 +99,12 @@ class LaunchedPlugin:
         if call.when == "teardown":
             verdicts.teardown_verdict(self.launched, item, report)
         return report
+
+    @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it finishes
+    def pytest_runtestloop(self, session: pytest.Session) -> Any:
+        result = yield
+        coverage.hand_to_rank_0(self.launched, session)
+        return result
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         launched = self.launched

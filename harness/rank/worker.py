@@ -46,6 +46,7 @@ from harness.rank import (
     kept_group,
     lasting,
     logs,
+    measure,
     raw_threads,
     state,
     stdin,
@@ -116,12 +117,15 @@ class _Rank:
         reports), and the pool then replaces its ranks, so the next test is not hurt.
         """
         self.serving = run.rank
+        measure.start(run.coverage)  # as the pytest process is measured, if it is
         saved_env = environment.snapshot()
         cuda_device = state.cuda_device()
         outcome, test_env = task.run(run)
+        measure.save()  # before the result: pytest-cov may combine the files once it has it
         try:
             environment.restore(saved_env if test_env is None else test_env)
             self._restore(cuda_device)  # the default device's mode (set_default_device) too
+            measure.resume()  # the restore put back the rank's own trace functions
             lasting.note_modes_left(outcome)
         except Exception as exc:
             outcome.leftovers[hygiene.UNDONE] = (

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+from harness import measured
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
@@ -216,6 +217,7 @@ class Pools:
             cwd=os.getcwd(),
             env=env,
             current_test=current_test,
+            coverage=measured.setup_for_ranks(),
         )
         return task.for_ranks(spec.world_size), launch_store
 

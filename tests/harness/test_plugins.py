@@ -1,0 +1,198 @@
+"""The plugins real CI runs, against ranks tests (make test-plugins; marker `plugins`):
+pytest-cov and `coverage run`, pytest-randomly, hypothesis, pytest-rerunfailures,
+pytest-repeat, at 2 and 4 ranks, on warm ranks and on fresh ones. Each runs a whole pytest
+session in a subprocess, as CI does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.plugins
+
+MEASURED = """
+def branchy(x):
+    if x > 0:
+        return "positive"
+    return "not positive"
+
+
+def only_rank_3():
+    return 3
+"""
+MEASURED_TESTS = """
+import os
+import pytest
+import measured_mod
+
+
+@pytest.mark.ranks(2, 4)
+def test_each_rank_takes_a_branch(rank, world_size):
+    assert measured_mod.branchy(rank) in ("positive", "not positive")
+    if rank == 3:
+        assert measured_mod.only_rank_3() == 3
+
+
+@pytest.mark.ranks(2)
+def test_fails_and_the_ranks_are_replaced(rank):
+    assert rank == 0  # rank 1 fails: its data is saved all the same
+"""
+
+
+def _session(pytester: pytest.Pytester, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _line_of(report: str, module: str) -> str:
+    return next((line for line in report.splitlines() if line.startswith(module)), report)
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_pytest_cov_counts_the_lines_the_ranks_run(pytester: pytest.Pytester, start: str) -> None:
+    """`pytest --cov` on a module whose functions run only in ranks reported 50%, every line
+    the ranks ran missing: the ranks wrote no data."""
+    pytester.makepyfile(measured_mod=MEASURED, test_measured=MEASURED_TESTS)
+    run = _session(
+        pytester,
+        "pytest",
+        "-p",
+        "harness",
+        "--rank-start-method",
+        start,
+        "--cov=measured_mod",
+        "--cov-report=term-missing",
+    )
+    assert "2 passed, 1 failed" in run.stdout or "1 failed, 2 passed" in run.stdout, run.stdout
+    line = _line_of(run.stdout, "measured_mod.py")
+    assert line.split()[-1] == "100%", run.stdout[-3000:]
+
+
+def test_coverage_run_counts_the_lines_the_ranks_run(pytester: pytest.Pytester) -> None:
+    """`coverage run -m pytest`, then `coverage report`, as it is: no combine step."""
+    pytester.makepyfile(measured_mod=MEASURED, test_measured=MEASURED_TESTS)
+    run = _session(pytester, "coverage", "run", "--source=measured_mod", "-m", "pytest", "-p",
+                   "harness")  # fmt: skip
+    assert "1 failed" in run.stdout, run.stdout[-3000:]
+    report = _session(pytester, "coverage", "report", "-m")
+    line = _line_of(report.stdout, "measured_mod.py")
+    assert line.split()[-1] == "100%", report.stdout + report.stderr
+
+
+@pytest.mark.slow
+def test_pytest_cov_under_torchrun_combines_every_ranks_lines_once(
+    pytester: pytest.Pytester,
+) -> None:
+    """Each launched pytest measured itself and combined every data file into one
+    `.coverage` at once: an INTERNALERROR (no such table: coverage_schema)."""
+    pytester.makepyfile(
+        measured_mod=MEASURED,
+        test_measured="""
+        import pytest
+        import measured_mod
+
+        @pytest.mark.ranks(2)
+        def test_each_rank_takes_a_branch(rank):
+            assert measured_mod.branchy(rank) in ("positive", "not positive")
+        """,
+    )
+    run = _session(
+        pytester,
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pytest",
+        "-p",
+        "harness",
+        "--cov=measured_mod",
+        "--cov-report=term-missing",
+    )
+    assert "INTERNALERROR" not in run.stdout + run.stderr, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "1 passed" in run.stdout, run.stdout[-3000:]
+    line = _line_of(run.stdout, "measured_mod.py")
+    assert line.split()[-2:] == ["83%", "8"], run.stdout[-3000:]  # every rank's lines but 8
+
+
+ORDER_FREE = """
+import random
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.ranks(2, 4)
+def test_kept(rank, world_size):
+    dist.barrier()
+
+
+@pytest.mark.ranks(2, 4, fresh_group=True)
+def test_fresh(rank, world_size):
+    dist.barrier()
+
+
+@pytest.mark.ranks(2, 4)
+def test_seeded(rank, world_size):
+    print("DRAWN", rank, random.random())
+
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_pytest_randomly_shuffles_ranks_tests_and_seeds_the_ranks(
+    pytester: pytest.Pytester, seed: str
+) -> None:
+    pytester.makepyfile(ORDER_FREE)
+    args = ("pytest", "-p", "harness", "-p", "randomly", f"--randomly-seed={seed}", "-s", "-v")
+    first, again = _session(pytester, *args), _session(pytester, *args)
+    assert "7 passed" in first.stdout, first.stdout[-3000:]
+    assert f"harness: ranks seeded from {seed} (pytest-randomly)" in first.stdout
+    drawn = sorted(line for line in first.stdout.splitlines() if "DRAWN" in line)
+    assert drawn and drawn == sorted(line for line in again.stdout.splitlines() if "DRAWN" in line)
+
+
+FLAKY = """
+import os
+import pytest
+
+
+@pytest.mark.ranks(2, 4)
+def test_fails_once_per_world(rank, world_size):
+    marker = os.path.join(os.environ["FLAKY_DIR"], f"seen{world_size}-{rank}")
+    seen = os.path.exists(marker)
+    open(marker, "w").close()
+    assert seen, "fails the first time on every rank"
+"""
+
+
+def test_pytest_rerunfailures_reruns_a_ranks_test_on_fresh_ranks(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLAKY_DIR", str(pytester.path))
+    pytester.makepyfile(FLAKY)
+    run = _session(pytester, "pytest", "-p", "harness", "-p", "rerunfailures", "--reruns", "1")
+    assert "2 passed, 2 rerun" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_pytest_repeat_repeats_ranks_tests(pytester: pytest.Pytester, fresh: bool) -> None:
+    pytester.makepyfile(ORDER_FREE)
+    args = ["pytest", "-p", "harness", "--count", "3"] + (["--rank-fresh-group"] if fresh else [])
+    run = _session(pytester, *args)
+    assert "21 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_xdist_runs_ranks_tests_in_each_worker(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(ORDER_FREE)
+    run = _session(pytester, "pytest", "-p", "harness", "-n", "2", "--dist", "loadgroup")
+    assert "7 passed" in run.stdout, run.stdout[-3000:]
