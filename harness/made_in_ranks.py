@@ -48,6 +48,11 @@ def note_test(item: pytest.Item) -> None:
         item.stash[_made_key] = frozenset(id(fixturedef) for fixturedef, _ in made.values())
 
 
+def made_for(item: pytest.Function) -> frozenset[str]:
+    """The names of the fixtures the ranks make for `item` (anew for every run)."""
+    return frozenset(key.partition("#")[0] for key in _made_in_ranks(item))
+
+
 def skip_in_pytest(fixturedef: Any, request: Any) -> MadeInRanks | None:
     """A placeholder, cached as pytest caches a value, for a fixture the ranks make; None
     for any other (pytest then runs it as usual)."""

@@ -28,15 +28,17 @@ from harness.common.protocol import (
 )
 
 
-def test_target(item: pytest.Function) -> Target:
-    """Where a rank finds the test function: its module, its file, its qualified name."""
+def test_target(item: pytest.Function, unwrap: str = "") -> Target:
+    """Where a rank finds the test function: its module, its file, its qualified name (and
+    `unwrap`: "hypothesis" for a hypothesis test's inner function)."""
     module = item.module
     assert module is not None
     qualname = item.originalname
     if item.cls is not None:
         qualname = f"{item.cls.__qualname__}.{item.originalname}"
     modules, packages = test_modules(module)
-    return Target(module.__name__, getattr(module, "__file__", None), qualname, modules, packages)
+    file = getattr(module, "__file__", None)
+    return Target(module.__name__, file, qualname, modules, packages, unwrap)
 
 
 Modules = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[str, ...]], ...]]
@@ -79,7 +81,7 @@ test_modules.__test__ = False  # type: ignore[attr-defined]  # not a test, despi
 test_target.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
 
 
-def sendable_funcargs(item: pytest.Function) -> bytes:
+def sendable_funcargs(item: pytest.Function, drawn: dict[str, Any] | None = None) -> bytes:
     """The test's arguments resolved here, encoded for the trip to the ranks.
 
     Fixtures the ranks make for themselves travel as what they are built from. A value that
@@ -87,6 +89,7 @@ def sendable_funcargs(item: pytest.Function) -> bytes:
     then, to find it. A test class instance's attributes (set by setup_method) travel too.
     """
     kwargs = {name: _sent_value(item, name) for name in item._fixtureinfo.argnames}
+    kwargs.update(drawn or {})  # a hypothesis example's values
     state = dict(vars(item.instance)) if item.instance is not None else None
     fixtures = made_in_ranks.plan(item, lambda name, depth: _dependency(item, name, depth))
     class_state = class_changes(item.cls) if item.cls is not None else None

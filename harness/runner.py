@@ -15,7 +15,7 @@ from typing import Any, TypeGuard
 
 import pytest
 
-from harness import packing
+from harness import hypothesis_search, packing
 from harness.common import expect as expectations
 from harness.common import faults as fault_specs
 from harness.common import rank_warnings
@@ -62,8 +62,45 @@ def run_marked_test(item: pytest.Function, spec: RankSpec) -> None:
     whichever ranks the session runs on."""
     ranks = ranks_of(item.config)
     spec = with_fixture_faults(item, spec)
+    if hypothesis_search.is_search(item) and ranks.drives_examples:
+        _search_on_ranks(item, spec)
+        return
     outcomes = ranks.run_test(item, spec)
     after_body(item, spec, outcomes, ranks.reports_output)
+
+
+def _search_on_ranks(item: pytest.Function, spec: RankSpec) -> None:
+    """A hypothesis test: the search here, each example on every rank and judged as a
+    test (a failing one raises the report for hypothesis to shrink); the last example's
+    output, replaced ranks and leftovers on the test's report."""
+    ranks = ranks_of(item.config)
+    last: list[list[RankOutcome]] = []
+
+    def example(drawn: dict[str, Any]) -> list[RankOutcome]:
+        outcomes = ranks.run_test(item, spec, drawn)
+        last[:] = [outcomes]
+        return outcomes
+
+    def judged(outcomes: list[RankOutcome]) -> None:
+        stop_if_a_rank_did(outcomes)
+        rank_warnings.reemit(outcomes)
+        judge(item, spec, outcomes)
+
+    try:
+        hypothesis_search.search(item, example, judged)
+    except pytest.fail.Exception as failed:
+        notes = getattr(failed, "__notes__", [])  # hypothesis's falsifying example, shown
+        if not notes:
+            raise
+        raise pytest.fail.Exception(f"{failed.msg}\n" + "\n".join(notes), pytrace=False) from None
+    finally:
+        if ranks.reports_output:
+            attach_import_output(item)
+        if last:
+            warn_of_replaced_ranks(item, last[0])
+            record_leftovers(item, last[0])
+            if ranks.reports_output:
+                attach_output(item, last[0])
 
 
 Judge = Callable[[pytest.Item, RankSpec, list[RankOutcome]], None]

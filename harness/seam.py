@@ -35,8 +35,17 @@ class Ranks(Protocol):
         """pytest_runtest_setup's wrapper body for a test (spec None: a test without ranks)."""
         ...
 
-    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
-        """The test's body on every rank: each rank's outcome, in rank order."""
+    @property
+    def drives_examples(self) -> bool:
+        """Whether a hypothesis search runs in this process, each example sent to the
+        ranks (run_test with `drawn`); else each rank searches for itself."""
+        ...
+
+    def run_test(
+        self, item: pytest.Function, spec: RankSpec, drawn: dict[str, Any] | None = None
+    ) -> list[RankOutcome]:
+        """The test's body on every rank: each rank's outcome, in rank order; with `drawn`,
+        the test's own function (a hypothesis test's inner one) with those arguments too."""
         ...
 
     def run_call(

@@ -86,6 +86,7 @@ class Target:
     # importlib import mode, conftests): (name, file); and their packages: (name, paths).
     modules: tuple[tuple[str, str], ...] = ()
     packages: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    unwrap: str = ""  # "hypothesis": call the named test's inner function (an example of it)
 
 
 @dataclass(frozen=True)

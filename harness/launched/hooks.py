@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from harness import runner, seam
+from harness import hypothesis_search, runner, seam
 from harness.common import faults
 from harness.common.launch_detect import Launch
 from harness.common.outcome import RankOutcome
@@ -156,7 +156,11 @@ class LaunchedRanks:
         self, item: pytest.Item, spec: RankSpec | None, gpu_marked: bool
     ) -> Generator[None, Any, Any]:
         if spec is not None:
-            return (yield from set_up(self.launched, item, spec, gpu_marked))
+            result = yield from set_up(self.launched, item, spec, gpu_marked)
+            if isinstance(item, pytest.Function):  # before hypothesis's own checks of it
+                hypothesis_search.prepare(item, fixtures_per_example=False)
+                hypothesis_search.seed_in_process(item)
+            return result
         # A test without ranks sees none of the harness's process group, as in a plain
         # session (the next ranks test sets one up again); a group its fixtures set up stays.
         self.launched.set_own_group_aside()
@@ -164,7 +168,11 @@ class LaunchedRanks:
             seam.skip_without_gpus(1)
         return (yield)
 
-    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
+    drives_examples = False  # each launched rank runs a hypothesis search itself, seeded alike
+
+    def run_test(
+        self, item: pytest.Function, spec: RankSpec, drawn: dict[str, Any] | None = None
+    ) -> list[RankOutcome]:
         try:
             return body.run_test(item, self.launched, spec)
         finally:

@@ -12,6 +12,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -51,7 +52,11 @@ def resolve(
             setattr(holder, name, value)  # what setup_class set in the pytest process
         holder = holder()  # a test class: pytest makes one instance per test too
         holder.__dict__.update(instance_state or {})  # what setup_method set on it
-    return getattr(holder, parts[-1])  # type: ignore[no-any-return]
+    fn = getattr(holder, parts[-1])
+    if target.unwrap == "hypothesis":  # one example of a hypothesis test: its own function
+        inner = fn.hypothesis.inner_test
+        fn = types.MethodType(inner, holder) if inspect.ismethod(fn) else inner
+    return fn  # type: ignore[no-any-return]
 
 
 class _PytestsModules(importlib.abc.MetaPathFinder):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness import made_in_ranks, packing
+from harness import hypothesis_search, made_in_ranks, packing
 from harness.common import rank_warnings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
@@ -34,6 +34,7 @@ class WarmRanks:
     """Rank processes this pytest process starts and keeps warm between tests."""
 
     reports_output = True
+    drives_examples = True
 
     def __init__(self, config: pytest.Config) -> None:
         self._config = config
@@ -45,14 +46,20 @@ class WarmRanks:
             skip_without_gpus(spec.world_size if spec is not None else 1)
         if spec is not None:
             made_in_ranks.note_test(item)
-        return (yield)
+        result = yield
+        if spec is not None and isinstance(item, pytest.Function):
+            hypothesis_search.prepare(item, fixtures_per_example=True)
+        return result
 
-    def run_test(self, item: pytest.Function, spec: RankSpec) -> list[RankOutcome]:
-        target = packing.test_target(item)
+    def run_test(
+        self, item: pytest.Function, spec: RankSpec, drawn: dict[str, Any] | None = None
+    ) -> list[RankOutcome]:
+        target = packing.test_target(item, unwrap="hypothesis" if drawn is not None else "")
         failed = import_ahead(self._config, item, spec, target)
         if failed:
             return failed
-        return on_warm_ranks(self._config, spec, target, packing.sendable_funcargs(item))
+        blob = packing.sendable_funcargs(item, drawn or {})
+        return on_warm_ranks(self._config, spec, target, blob)
 
     def run_call(
         self,

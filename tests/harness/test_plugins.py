@@ -21,6 +21,10 @@ def branchy(x):
 
 def only_rank_3():
     return 3
+
+
+def only_before_a_failure():
+    return "the rank fails next, and is replaced"
 """
 MEASURED_TESTS = """
 import os
@@ -37,7 +41,9 @@ def test_each_rank_takes_a_branch(rank, world_size):
 
 @pytest.mark.ranks(2)
 def test_fails_and_the_ranks_are_replaced(rank):
-    assert rank == 0  # rank 1 fails: its data is saved all the same
+    if rank == 1:
+        measured_mod.only_before_a_failure()
+    assert rank == 0  # rank 1 fails: the lines it ran before are saved all the same
 """
 
 
@@ -119,7 +125,8 @@ def test_pytest_cov_under_torchrun_combines_every_ranks_lines_once(
     assert "INTERNALERROR" not in run.stdout + run.stderr, run.stdout[-3000:] + run.stderr[-3000:]
     assert "1 passed" in run.stdout, run.stdout[-3000:]
     line = _line_of(run.stdout, "measured_mod.py")
-    assert line.split()[-2:] == ["83%", "8"], run.stdout[-3000:]  # every rank's lines but 8
+    # every rank's lines but the two functions this test never calls
+    assert "75%" in line.split() and line.endswith("8, 12"), run.stdout[-3000:]
 
 
 ORDER_FREE = """
@@ -196,3 +203,75 @@ def test_xdist_runs_ranks_tests_in_each_worker(pytester: pytest.Pytester) -> Non
     pytester.makepyfile(ORDER_FREE)
     run = _session(pytester, "pytest", "-p", "harness", "-n", "2", "--dist", "loadgroup")
     assert "7 passed" in run.stdout, run.stdout[-3000:]
+
+
+GIVEN = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+
+@pytest.mark.ranks(2, 4)
+@given(n=st.integers(min_value=0, max_value=1000))
+def test_every_rank_gets_the_same_examples(rank, world_size, n):
+    mine = torch.tensor([n])
+    gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    assert all(int(g) == n for g in gathered), f"rank {rank} drew {n}, others {gathered}"
+    with open(os.path.join(os.environ["SEEN_DIR"], f"r{world_size}-{rank}"), "a") as f:
+        f.write(f"{n}\\n")
+
+
+@pytest.mark.ranks(2)
+@given(n=st.integers(min_value=0, max_value=1000))
+def test_fails_past_500_on_rank_1(rank, n):
+    if rank == 1:
+        assert n <= 500, f"too big on rank 1: {n}"
+"""
+
+
+def test_hypothesis_runs_the_same_examples_on_every_rank_and_reports_a_failure_once(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With hypothesis's defaults `@given` on a ranks test failed its health check
+    (function-scoped fixture `rank`); suppressed, each rank drew and shrank its own
+    examples, the headline changed between runs, and both ranks wrote one database."""
+    seen = pytester.mkdir("seen")
+    monkeypatch.setenv("SEEN_DIR", str(seen))
+    pytester.makepyfile(GIVEN)
+    run = _session(pytester, "pytest", "-p", "harness", "-rf")
+    assert "1 failed, 2 passed" in run.stdout, run.stdout[-4000:]
+    for world in (2, 4):  # every rank ran the same examples, in the same order
+        drawn = [(seen / f"r{world}-{r}").read_text() for r in range(world)]
+        assert len(set(drawn)) == 1 and len(drawn[0].split()) > 10, drawn
+    out = run.stdout
+    assert "test_fails_past_500_on_rank_1(" in out and "n=501," in out, out[-4000:]  # shrunk
+    assert out.count("n=501,") == 1  # reported once
+    assert "harness/" not in out.split("FAILURES")[1]  # no harness line offered as the cause
+    assert "rank 1 failed: raised AssertionError: too big on rank 1: 501" in out
+    again = _session(pytester, "pytest", "-p", "harness", "-rf", "-k", "fails_past")
+    assert "n=501" in again.stdout  # replayed from the one database
+
+
+@pytest.mark.slow
+def test_hypothesis_under_torchrun_draws_alike_on_every_rank(pytester: pytest.Pytester) -> None:
+    """Each launched rank searches for itself, seeded alike from the session's seed: the
+    same examples on every rank (an all_gather of each example agrees)."""
+    pytester.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+        from hypothesis import given, strategies as st
+
+        @pytest.mark.ranks(2)
+        @given(n=st.integers(min_value=0, max_value=1000))
+        def test_same(rank, world_size, n):
+            got = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+            dist.all_gather(got, torch.tensor([n]))
+            assert all(int(g) == n for g in got), (rank, n, got)
+        """
+    )
+    run = _session(pytester, "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "pytest", "-p", "harness")  # fmt: skip
+    assert "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
