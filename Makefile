@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The plugins lane's own venv: pytest-randomly and pytest-rerunfailures act in every session
+# that loads them, so they stay out of .venv (where other lanes' inner sessions would load them).
+PLUGINS_VENV := .venv-plugins
+PLUGINS_STAMP := $(PLUGINS_VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-plugins test-loaded bench gpu clean
@@ -11,6 +15,11 @@ PYTEST_WORKERS ?= 2
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[test,dev,bench]'
+	touch $@
+
+$(PLUGINS_STAMP): pyproject.toml ci/constraints.txt
+	test -x $(PLUGINS_VENV)/bin/python || $(PYTHON) -m venv $(PLUGINS_VENV)
+	$(PLUGINS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt -e '.[test,plugins]'
 	touch $@
 
 demo: $(STAMP)
@@ -45,8 +54,8 @@ test-isolation: $(STAMP)
 # The plugins CI runs (pytest-cov and coverage run, pytest-randomly, hypothesis,
 # pytest-rerunfailures, pytest-repeat) against ranks tests at 2 and 4 ranks, warm and fresh:
 # each a whole session in a subprocess (minutes). CI runs it after test-isolation.
-test-plugins: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m plugins -ra
+test-plugins: $(PLUGINS_STAMP)
+	$(PLUGINS_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m plugins -ra
 
 # make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
 # the same verdicts as on a quiet machine (15-25 minutes on 2 cores; not in .ci/run).
@@ -60,4 +69,4 @@ gpu:
 	bash ci/gpu
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(PLUGINS_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -103,6 +103,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(specs.WORLD_PARAM, sizes, ids=[f"ranks{n}" for n in sizes])
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k deselects: each test has its world's keyword
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session_settings = settings.settings_of(config)
     for item in items:
@@ -112,10 +113,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("ranks") is None or not isinstance(item, pytest.Function):
             continue
         try:
-            item.stash[SPEC_KEY] = specs.spec_for(item, session_settings)
+            item.stash[SPEC_KEY] = spec = specs.spec_for(item, session_settings)
         except SpecError as exc:
             item.stash[SPEC_ERROR_KEY] = str(exc)
             continue
+        # `-k ranks4` selects every test that runs on 4 ranks, [ranks4] in its id or not.
+        item.extra_keyword_matches.add(f"ranks{spec.world_size}")
         if item.cls is not None:
             packing.remember_class(item.cls)  # what setup_class adds later travels
 
@@ -181,7 +184,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "call":
         runner.refuse_xfail(item, report)
         runner.place_skip(item, report)
+    spec = item.stash.get(SPEC_KEY, None)
+    if spec is not None:
+        report.harness_world_size = spec.world_size  # -v's line says it (and travels, as above)
     return report
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_report_teststatus")
+def pytest_report_teststatus_with_world(report: pytest.TestReport, config: pytest.Config) -> Any:
+    """-v's word for a ranks test says how many ranks it ran on: "PASSED on 4 ranks"."""
+    status = yield
+    world = getattr(report, "harness_world_size", None)
+    if world is None or not status or config.getoption("verbose", 0) <= 0:
+        return status
+    category, letter, word = status
+    if not word:
+        return status
+    on = f" on {world} rank{'s' if world != 1 else ''}"
+    if isinstance(word, tuple):
+        return category, letter, (word[0] + on, word[1])
+    return category, letter, word + on
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -73,3 +73,29 @@ def test_the_readme_tests_pass_as_written(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert " failed" not in result.stdout and " error" not in result.stdout
+
+
+@pytest.mark.slow
+def test_the_first_tests_command_prints_what_the_readme_shows(tmp_path: Path) -> None:
+    """The first test, run with the command under it, prints the lines the README shows:
+    the command and the test agree on how many ranks run."""
+    text = README.read_text()
+    first = textwrap.dedent(_BLOCK.findall(text)[0][1])
+    command = re.search(r"```bash\n(pytest [^\n]*)\n```", text)
+    shown = re.search(r"```text\n(test_sum\.py::.*?)```", text, re.DOTALL)
+    assert command is not None and shown is not None
+    args = command.group(1).split()[1:]
+    (tmp_path / "test_sum.py").write_text(first)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    printed = [line.split(" [")[0].rstrip() for line in result.stdout.splitlines()]
+    for line in shown.group(1).strip().splitlines():
+        assert line in printed, f"{line!r} not printed:\n{result.stdout}"

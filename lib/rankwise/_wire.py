@@ -17,6 +17,7 @@ loads onto the meta device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import pickle
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rankwise._carried import Carried, CarriedError, from_data, to_data
 
 _REGISTER_HINT = (
     "return plain values (tensors, numbers, strings, lists, tuples, dicts), or register the "
@@ -38,6 +41,7 @@ class WireError(TypeError):
 
 
 _JSON = b"J"  # torch.save's zip output starts with b"PK": the tags never collide
+CARRIED = b"C"  # torch.save bytes holding Carried records (see _carried.py), to rebuild
 _MAX_DEPTH = 32
 
 
@@ -54,6 +58,10 @@ def encode(value: Any, what: str) -> bytes:
                 f"it as hex(n) and read it back with int(text, 16)"
             ) from None
         return _JSON + text.encode()
+    try:
+        value, carried = to_data(value)  # defaultdicts, Counters, deques: as data
+    except CarriedError as exc:
+        raise WireError(f"{what}: {exc}") from None
     tensors = list(_tensors_in(value, set()))
     if any(t.is_meta for t in tensors):
         raise WireError(
@@ -71,24 +79,25 @@ def encode(value: Any, what: str) -> bytes:
     data = buffer.getvalue()
     del buffer
     try:
-        _check_loads(data)
+        _check_loads(data, carried)
     except Exception as exc:
         raise WireError(
             f"{what}: the value of type {type(value).__name__} does not load back with "
             f"torch.load(weights_only=True) ({refusal(exc)}); {_hint_for(value)}"
         ) from None  # torch's own text advises weights_only=False: never pass that on
-    return data
+    return CARRIED + data if carried else data
 
 
-def _check_loads(data: bytes) -> None:
+def _check_loads(data: bytes, carried: bool = False) -> None:
     """Raise what torch.load(weights_only=True) would raise for `data`, without building a
     second copy of every tensor: the storages are made on the meta device, so the check
     reads the pickle and none of the data. A value that loads only where its data is real
     (a rebuild function that reads it) gets the full check before it is refused."""
     try:
-        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+        with _loading(carried):
+            torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
     except Exception:
-        decode(data)
+        decode(CARRIED + data if carried else data)
 
 
 def _hint_for(value: Any) -> str:
@@ -300,10 +309,27 @@ def refusal(exc: BaseException) -> str:
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:
-    """Load bytes made by `encode`: JSON, or weights_only with every tensor on the CPU."""
-    if bytes(data[:1]) == _JSON:
+    """Load bytes made by `encode`: JSON, or weights_only with every tensor on the CPU (and
+    the containers carried as data rebuilt: WireError for a record no encoder wrote)."""
+    tag = bytes(data[:1])
+    if tag == _JSON:
         return json.loads(bytes(data[1:]))
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if tag != CARRIED:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    with _loading(carried=True):
+        loaded = torch.load(io.BytesIO(bytes(data[1:])), weights_only=True, map_location="cpu")
+    try:
+        return from_data(loaded)
+    except CarriedError as exc:
+        raise WireError(str(exc)) from None
+
+
+def _loading(carried: bool) -> Any:
+    """weights_only's load, allowing the one class of carried records where there are any:
+    its instances hold data and run nothing (see _carried.py)."""
+    if not carried:
+        return contextlib.nullcontext()
+    return torch.serialization.safe_globals([Carried])
 
 
 def _tensors_in(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:

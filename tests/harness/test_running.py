@@ -52,6 +52,68 @@ def test_sizes_parametrise_with_real_ids(inner: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, deselected=1)
 
 
+def test_dash_k_ranks_n_selects_every_test_that_runs_on_n_ranks(inner: pytest.Pytester) -> None:
+    """`-k ranks4` missed a bare `@pytest.mark.ranks` test running on 4 ranks (--ranks 4):
+    it has no [ranks4] id. Every ranks test has the keyword of its world size; node ids are
+    unchanged."""
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks
+        def test_bare(world_size):
+            pass
+
+        @pytest.mark.ranks(2, 4)
+        def test_both(world_size):
+            pass
+
+        @pytest.mark.ranks(4)
+        def test_four(world_size):
+            pass
+
+        def test_plain():
+            pass
+        """
+    )
+    four = inner.runpytest("-p", "harness", "--ranks", "4", "-k", "ranks4", "-v")
+    four.assert_outcomes(passed=3, deselected=2)
+    four.stdout.fnmatch_lines(["*::test_bare PASSED*"], consecutive=False)  # its id as ever
+    two = inner.runpytest("-p", "harness", "--ranks", "4", "-k", "ranks2")
+    two.assert_outcomes(passed=1, deselected=4)
+
+
+def test_dash_v_shows_each_tests_world_size(inner: pytest.Pytester) -> None:
+    """The README's first test ran on 2 ranks under `pytest --ranks 4`, and nothing said how
+    many ranks ran: -v says it on each test's line."""
+    inner.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks
+        def test_bare(world_size):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_two(world_size):
+            pytest.skip("not today")
+
+        def test_plain():
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--ranks", "3", "-v")
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_bare PASSED on 3 ranks*",
+            "*::test_two[[]ranks2[]] SKIPPED on 2 ranks (not today)*",
+            "*::test_plain PASSED*",
+        ],
+        consecutive=False,
+    )
+    assert "test_plain PASSED on" not in result.stdout.str()
+
+
 def test_a_bad_size_is_that_tests_error_naming_the_marker(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

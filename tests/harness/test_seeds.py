@@ -62,6 +62,7 @@ def test_a_given_seed_gives_the_same_numbers_every_session_and_each_rank_its_own
     first.stdout.fnmatch_lines(["harness: ranks seeded from 123 (--rank-seed)*"])
 
 
+@pytest.mark.plugins  # pytest-randomly is in the plugins lane's venv
 def test_pytest_randomlys_seed_seeds_the_ranks(seeded: pytest.Pytester) -> None:
     """With pytest-randomly a plain test drew the same numbers every run and the ranks
     different ones every run: its seed is now the session seed."""
@@ -76,6 +77,7 @@ def test_pytest_randomlys_seed_seeds_the_ranks(seeded: pytest.Pytester) -> None:
     )
 
 
+@pytest.mark.plugins
 def test_rank_0_draws_what_a_plain_test_draws_under_pytest_randomly(
     inner: pytest.Pytester,
 ) -> None:

@@ -98,12 +98,76 @@ def test_the_senders_check_still_refuses_what_would_run_code(tmp_path: Path) -> 
     assert not marker.exists()
 
 
-def test_a_defaultdict_is_refused_with_a_hint_to_send_a_dict() -> None:
-    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+def _like_modelopts_recipe() -> dict[str, Any]:
+    """The shape of what modelopt's auto-quantize search syncs across its groups: the
+    chosen recipe's format (a dict holding a defaultdict(dict)), its candidate stats
+    (defaultdict(dict)), beside the other containers a caller's value may hold."""
+    fmt: collections.defaultdict[str, dict[str, Any]] = collections.defaultdict(dict)
+    fmt["*weight_quantizer"] = {"num_bits": 8, "axis": 0}
+    stats: collections.defaultdict[str, dict[str, Any]] = collections.defaultdict(dict)
+    stats["layer.0"]["costs"] = [1.5, 2.0]
+    return {
+        "recipe": {"format": fmt, "name": "int8"},
+        "candidate_stats": stats,
+        "order": collections.OrderedDict(b=1, a=2),
+        "counts": collections.Counter("aab"),
+        "recent": collections.deque([1, 2, 3], maxlen=5),
+        "sets": collections.defaultdict(set, {"x": {1}}),
+        "none": collections.defaultdict(None, {"k": 1}),
+        "scale": torch.ones(2),
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with the same container types (and factories, maxlens) all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, collections.defaultdict) and a.default_factory is not b.default_factory:
+        return False
+    if isinstance(a, collections.deque) and a.maxlen != b.maxlen:
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple, collections.deque)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def test_modelopts_containers_travel_as_themselves() -> None:
+    """get_dist_syncd_obj refused what modelopt's auto-quantize syncs (a defaultdict(dict)
+    in its recipe's format): defaultdicts of a builtin type or None, OrderedDict, Counter
+    and deque travel as data and arrive as the same types."""
+    value = _like_modelopts_recipe()
+    back = _wire.decode(_wire.encode(value, "get_dist_syncd_obj"))
+    assert _same(back, value), back
+    assert back["recipe"]["format"]["new key"] == {}  # still a defaultdict of dict
+
+
+def test_a_defaultdict_of_another_factory_is_refused_saying_what_to_send() -> None:
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [0])
     counts["a"].append(1)
     with pytest.raises(_wire.WireError) as refused:
         _wire.encode({"counts": counts, "t": torch.ones(1)}, "all_reduce('x') on rank 0")
-    assert "defaultdict" in str(refused.value) and "dict(" in str(refused.value)
+    said = str(refused.value)
+    assert "all_reduce('x') on rank 0" in said and "default_factory" in said, said
+    assert "dict, list, set, int, float, str, tuple or None" in said, said
+
+
+def test_a_forged_payload_naming_another_factory_is_refused_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    """A payload written by hand (not by encode) that names any other factory, a function
+    that would touch a file if it were called, is refused on arrival; nothing is called."""
+    marker = tmp_path / "ran"
+    for factory in ("pathlib.Path.touch", "os.system", "builtins.eval"):
+        forged = io.BytesIO()
+        torch.save({"x": _wire.Carried("defaultdict", factory, [["k", str(marker)]])}, forged)
+        data = _wire.CARRIED + forged.getvalue()
+        with pytest.raises(_wire.WireError, match="not one the wire carries"):
+            _wire.decode(data)
+    assert not marker.exists()
 
 
 def test_a_json_payload_that_does_not_parse_is_not_called_a_torch_load_refusal() -> None:
@@ -121,3 +185,19 @@ def test_a_torch_save_payload_still_says_it_was_refused() -> None:
     assert torch.equal(_collectives.load(buffer.getvalue(), "x")["t"], torch.ones(1))
     with pytest.raises(RuntimeError, match="weights_only"):
         _collectives.load(b"PK-not-a-zip", "all_reduce('x'): rank 1's value")
+
+
+@pytest.mark.ranks(2, 4)
+def test_get_dist_syncd_obj_carries_what_modelopts_search_syncs(rank: int, world_size: int) -> None:
+    import rankwise as rw
+
+    mine = _like_modelopts_recipe()
+    mine["candidate_stats"][f"rank{rank}"]["score"] = rank
+    everyone = rw.DistributedProcessGroup.get_dist_syncd_obj(
+        mine, rw.DistributedProcessGroup(None), lambda values: values
+    )
+    assert len(everyone) == world_size
+    for r, theirs in enumerate(everyone):
+        assert type(theirs["candidate_stats"]) is collections.defaultdict
+        assert theirs["candidate_stats"][f"rank{r}"]["score"] == r
+        assert _same(theirs["recipe"], mine["recipe"])
