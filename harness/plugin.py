@@ -6,12 +6,14 @@ Options and markers are read by ``settings``; running and judging a test on rank
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness import made_in_ranks, measured, packing, runner, seam, seeds, settings, specs
+from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
@@ -77,15 +79,20 @@ def pytest_configure(config: pytest.Config) -> None:
     _sessions.add(config)
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    session_settings = settings.configure(config)
-    launch = session_settings.launched
-    seam.use(config, warm.WarmRanks(config))
+    kept: list[warnings.WarningMessage] = []
+    with torch_import_warnings.held(kept):  # a launch imports torch here: said at collection
+        session_settings = settings.configure(config)
+        launch = session_settings.launched
+        seam.use(config, warm.WarmRanks(config))
+        if launch is not None:  # the one question asked: the launch's hooks answer the rest
+            from harness.launched.hooks import LaunchedPlugin
+
+            plugin = LaunchedPlugin(config, launch, kept)
+            config.pluginmanager.register(plugin, "harness-launched")
+    if launch is None:
+        torch_import_warnings.raise_again(kept)  # shown now, as if never held
     if config.pluginmanager.hasplugin("xdist"):  # its workers seed from this process's seed
         config.pluginmanager.register(seeds.XdistHooks(session_settings.seed), "harness-seeds")
-    if launch is not None:  # the one question asked: the launch's hooks then answer the rest
-        from harness.launched.hooks import LaunchedPlugin
-
-        config.pluginmanager.register(LaunchedPlugin(config, launch), "harness-launched")
 
 
 # ---- collection ----------------------------------------------------------------------------
@@ -187,7 +194,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     spec = item.stash.get(SPEC_KEY, None)
     if spec is not None:
         report.harness_world_size = spec.world_size  # -v's line says it (and travels, as above)
+        _crash_line_only(report)
     return report
+
+
+def _crash_line_only(report: pytest.TestReport) -> None:
+    """The crash message is the report's headline: pytest prints it whole in the short
+    summary on a CI runner, and a ranks report has every rank's section under it."""
+    crash: Any = getattr(report.longrepr, "reprcrash", None)
+    message = getattr(crash, "message", None)
+    if isinstance(message, str) and "\n" in message:
+        crash.message = message.split("\n", 1)[0]
 
 
 @pytest.hookimpl(wrapper=True, specname="pytest_report_teststatus")

@@ -138,6 +138,7 @@ def _source_of(frame_line: str) -> list[str]:
 
 # The rank's own modules between its entry point and the test's code (in the order they call).
 _RANK_CALLERS = (
+    "harness.rank.entry",
     "harness.rank.worker",
     "harness.rank.task",
     "harness.rank.body",

@@ -99,3 +99,34 @@ def test_the_first_tests_command_prints_what_the_readme_shows(tmp_path: Path) ->
     printed = [line.split(" [")[0].rstrip() for line in result.stdout.splitlines()]
     for line in shown.group(1).strip().splitlines():
         assert line in printed, f"{line!r} not printed:\n{result.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_library_snippet_runs_on_several_cpu_ranks_under_torchrun(
+    world: int, tmp_path: Path
+) -> None:
+    """The README says its library snippet runs under `torchrun --nproc-per-node 2` on CPU
+    ranks: each rank reports its place, and the collectives' checks hold on every rank."""
+    snippet = next(code for code in SCRIPTS if code.startswith("# lib_snippet.py"))
+    assert "torchrun --nproc-per-node 2 lib_snippet.py" in README.read_text()
+    (tmp_path / "lib_snippet.py").write_text(snippet)
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    logs = tmp_path / "logs"  # each rank's stdout in a file of its own: lines not interleaved
+    command = ["--standalone", "--nproc-per-node", str(world), "--log-dir", str(logs)]
+    command += ["--redirects", "1", "lib_snippet.py"]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    printed = {int(f.parent.name): f.read_text() for f in logs.glob("*/attempt_0/*/stdout.log")}
+    assert sorted(printed) == list(range(world)), printed
+    assert printed[0] == f"True 0 {world} True\n"
+    for other in range(1, world):
+        assert printed[other] == f"True {other} {world} False\n", printed

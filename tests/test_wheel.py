@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -48,17 +50,24 @@ def _run(args: list[str], cwd: Path, bound: float) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with the wheel built from this checkout, torch and pytest pinned, nothing else."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist and wheel `python -m build` makes from a copy of this checkout, in dist/."""
     where = tmp_path_factory.mktemp("wheel")
     source = where / "source"  # a copy: building in the checkout would leave build/ there
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
     _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-         str(where / "dist"), str(source)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(where / "dist"),
+         str(source)],
         where, INSTALL_BOUND_S,
     )  # fmt: skip
-    (wheel,) = (where / "dist").glob("rankwise-*.whl")
+    return where / "dist"
+
+
+@pytest.fixture(scope="module")
+def bare_venv(built: Path) -> Path:
+    """A venv with the wheel built from this checkout, torch and pytest pinned, nothing else."""
+    where = built.parent
+    (wheel,) = built.glob("rankwise-*.whl")
     _run([sys.executable, "-m", "venv", str(where / "venv")], where, INSTALL_BOUND_S)
     python = where / "venv" / "bin" / "python"
     _run(
@@ -96,3 +105,36 @@ def test_a_multi_rank_collective_runs_from_the_wheel(bare_venv: Path, tmp_path: 
         tmp_path, RUN_BOUND_S,
     )  # fmt: skip
     assert "1 passed" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_the_release_files_pass_twine_check(built: Path) -> None:
+    """What CONTRIBUTING's release steps check before an upload: both files' metadata and
+    the README as PyPI renders it."""
+    files = sorted(str(f) for f in built.iterdir())
+    assert sorted(Path(f).suffix for f in files) == [".gz", ".whl"], files
+    _run([sys.executable, "-m", "twine", "check", "--strict", *files], built, RUN_BOUND_S)
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_every_module_and_its_metadata(built: Path) -> None:
+    """pyproject lists the packages by hand: a new subpackage left out of the list would be
+    missing from the wheel while every test of the checkout passes."""
+    (wheel,) = built.glob("rankwise-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(info).decode()
+        entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
+    sources = {
+        path.relative_to(base).as_posix()
+        for base, package in ((ROOT / "lib", "rankwise"), (ROOT, "harness"))
+        for path in (base / package).rglob("*")
+        if path.suffix in (".py", ".typed") and "__pycache__" not in path.parts
+    }
+    assert sources - names == set(), "in the checkout, missing from the wheel"
+    assert {n.split("/")[0] for n in names} == {"rankwise", "harness", info.split("/")[0]}
+    assert "[pytest11]\nharness = harness" in entry_points
+    assert "Requires-Dist: torch>=2.6" in metadata
+    assert "Requires-Python: >=3.10" in metadata
+    assert f"Version: {version('rankwise')}" in metadata

@@ -415,12 +415,22 @@ def _collateral_lines(collateral: list[RankOutcome]) -> list[str]:
     lines = [f"{'=' * 8} collateral: one line each (-v shows each one's report) {'=' * 8}"]
     seen: set[str] = set()
     for o in collateral:
-        said = o.describe()
+        said = _collateral_phrase(o)
         where = f", waiting in {o.waited_in}" if o.waited_in else ""
         alike = _PEER_ADDRESS.sub("[peer]", said)
         lines.append(f"rank {o.rank} (pid {o.pid}){where}: {'the same' if alike in seen else said}")
         seen.add(alike)
     return lines
+
+
+def _collateral_phrase(o: RankOutcome) -> str:
+    """What happened to a collateral rank, in the harness's words: torch's transport error
+    (gloo's runs to "Check the logs of the remote worker ... GLHF!") cut to the words that
+    say what it was. rankwise's own errors name the failed rank already: kept as they are."""
+    found = _PEER_ERROR_TEXT.search(o.message) if o.ending is Ending.RAISED else None
+    if found is None or o.origin_rank is not None:
+        return o.describe()
+    return f"its collective failed as a peer went away ({o.exc_name}: {found.group(0)})"
 
 
 _PEER_ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")  # gloo names each peer's address and port

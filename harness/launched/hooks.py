@@ -12,6 +12,7 @@ import contextlib
 import os
 import stat
 import sys
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,11 @@ from typing import Any
 import pytest
 
 from harness import hypothesis_search, runner, seam
-from harness.common import faults
+from harness.common import faults, torch_import_warnings
 from harness.common.launch_detect import Launch
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
-from harness.launched import agreements, body, coverage, terminal, verdicts
+from harness.launched import agreements, body, coverage, error_files, terminal, verdicts
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
 from harness.launched.watch import FixtureTimer
@@ -34,7 +35,9 @@ from harness.specs import SPEC_KEY
 class LaunchedPlugin:
     """pytest's hooks for this rank of a launched session (see the session's module)."""
 
-    def __init__(self, config: pytest.Config, launch: Launch) -> None:
+    def __init__(
+        self, config: pytest.Config, launch: Launch, kept: list[warnings.WarningMessage]
+    ) -> None:
         workers = config.getoption("numprocesses", None)
         if workers not in (None, 0, "0"):
             raise pytest.UsageError(
@@ -44,6 +47,11 @@ class LaunchedPlugin:
             )
         self.launched = start(config, launch, settings_of(config).backend)
         seam.use(config, LaunchedRanks(self.launched))
+        self.kept_warnings = kept  # raised as this process imported torch: said at collection
+
+    @pytest.hookimpl(tryfirst=True)  # inside pytest's capture of the collection's warnings
+    def pytest_collection(self, session: pytest.Session) -> None:
+        torch_import_warnings.raise_again(self.kept_warnings)
 
     @pytest.hookimpl(tryfirst=True)  # before a conftest's: a pytest.exit() there reaches peers
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -98,6 +106,7 @@ class LaunchedPlugin:
             verdicts.plain_verdict(self.launched, item, report)
         if call.when == "teardown":
             verdicts.teardown_verdict(self.launched, item, report)
+        error_files.note(self.launched, item, report)
         return report
 
     @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it finishes
@@ -111,6 +120,7 @@ class LaunchedPlugin:
         if launched.peers is not None:
             launched.restore_rendezvous()
             agreements.agree_on_exit(launched, session)
+            error_files.write(launched, int(session.exitstatus))
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         """This rank's session ends now (pytest.exit() or KeyboardInterrupt): tell the peers

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -67,6 +68,16 @@ def _own_basetemp(config: pytest.Config, rank: int) -> None:
         factory._given_basetemp = given / f"rank{rank}"
 
 
+@dataclass
+class FirstFailure:
+    """The session's first failed test, as this rank reported it (for torchrun's summary)."""
+
+    nodeid: str
+    root: int  # the rank its report names first
+    line: str  # what the report's first line says
+    text: str  # this rank's report of it
+
+
 class LaunchedSession:
     """This rank's view of the launched session: its store, its group, where it is."""
 
@@ -100,6 +111,7 @@ class LaunchedSession:
         self.dying = False  # an injected fault is about to end this process
         self._group: Any = None  # the session's own default group, to tell it from others
         self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
+        self.first_failure: FirstFailure | None = None  # for torchrun's summary (error_files)
 
     # ---- the store ---------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from harness.warm.preload import PreloadPlan
 
 # Imported by the server before its first fork: every rank starts with them loaded.
 SERVER_PRELOAD = [
-    "harness.rank.worker",
+    "harness.rank.entry",  # the worker, and torch, without torch's NumPy warning
     "harness.rank.forkserver_guard",
     "harness.rank.forkserver_preload",  # last: the test modules' imports (plan), if any
 ]

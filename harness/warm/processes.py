@@ -7,6 +7,7 @@ closes (kills its ranks) when the loop says a rank is suspect.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import mmap
 import multiprocessing
 import os
@@ -64,13 +65,14 @@ class Slot:
     """One rank process and the files it writes."""
 
     def __init__(self, ctx: Any, rank: int, workdir: Path) -> None:
-        from harness.rank import worker
-
+        # By its name in sys.modules, as pickle finds it (an in-process pytester session
+        # restores sys.modules after each run, leaving the package's attribute stale).
+        entry = importlib.import_module("harness.rank.entry")
         self.rank = rank
         self.files = RankFiles.in_dir(workdir, rank)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=worker.main, args=(child, self.files), name=f"harness-rank{rank}"
+            target=entry.main, args=(child, self.files), name=f"harness-rank{rank}"
         )
         with _main_module_hidden(), _default_start_method_kept():
             self.process.start()

@@ -28,7 +28,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from rankwise import _points, _transport, _wire
+from rankwise import _error_file, _points, _transport, _wire
 from rankwise._launch import is_initialized, launch_world_size, rank, size
 
 _V = TypeVar("_V")
@@ -327,6 +327,8 @@ def _from(origin: int, error: BaseException) -> BaseException:
     if getattr(error, "origin_rank", None) is None:  # set where it first failed: kept
         with contextlib.suppress(AttributeError, TypeError):  # one that takes no attributes
             error.origin_rank = origin  # type: ignore[attr-defined]
+    if _error_file.is_collateral(error, rank()):
+        _error_file.note_collateral(error)  # one line, not a traceback, if it ends the process
     return error
 
 
@@ -409,6 +411,8 @@ def run_fn(
             raise  # a collective inside fn found ranks out of step: every rank is leaving
         if isinstance(exc, SystemExit):
             return Entry("exit", code=exit_code(exc)), exc, b""
+        if not _error_file.is_collateral(exc, rank()):  # before the exchange tells the peers
+            _error_file.note_own_failure(exc)
         return Entry("error", error=describe(exc)), exc, b""
     return Entry(length=len(payload)), None, payload
 

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from rankwise import _points
+from rankwise import _error_file, _points
 from rankwise._launch import (
     is_initialized,
     launch_rank,
@@ -124,8 +124,9 @@ def distributed_run(
         state.end()
         _teardown(callers_group, wait=True, exiting=exc)
         raise
-    except BaseException:
+    except BaseException as exc:
         state.end()
+        _error_file.leaving(exc, rank())  # torchrun's summary names the rank that failed
         if _owned(callers_group) and size() > 1:
             abort()
         _teardown(callers_group, wait=False)
@@ -242,12 +243,18 @@ def abort() -> NoReturn:
     Used instead of tearing a group down when peers may be blocked in a collective this rank
     never reaches: the launcher (torchrun) sees the exit status and tears the whole job down.
     """
-    description = f"rank {rank()} of {size()}"
-    print(
-        f"rankwise: {description} aborting the run (exit status {ABORT_EXIT_CODE}):",
-        file=sys.stderr,
-    )
-    if sys.exc_info()[0] is not None:
+    this_rank = rank()
+    description = f"rank {this_rank} of {size()}"
+    error = sys.exc_info()[1]
+    if error is not None:
+        _error_file.write_for(error, this_rank)
+    header = f"rankwise: {description} aborting the run (exit status {ABORT_EXIT_CODE})"
+    if error is None:
+        print(header, file=sys.stderr)
+    elif _error_file.is_collateral(error, this_rank) and not _error_file.full_tracebacks():
+        print(_error_file.one_line(error, header), file=sys.stderr)  # the root prints its own
+    else:
+        print(f"{header}:", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -7,6 +7,8 @@
 - The wire format: ``encode`` turns a value into the bytes rankwise's collectives send (a
   ``torch.save`` payload that must load with ``torch.load(weights_only=True)``), ``decode``
   loads them back, and ``refusal`` says in words why a payload was refused.
+- torchrun's error file: ``write_launcher_error`` writes this worker's entry, which torchrun's
+  failure summary reads (the entry with the smallest timestamp is its "Root Cause").
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ __all__ = [
     "encode",
     "refusal",
     "remove_observer",
+    "write_launcher_error",
 ]
 
+from rankwise._error_file import write_entry as write_launcher_error
 from rankwise._points import Observer, add_observer, remove_observer
 from rankwise._wire import WireError, decode, encode, refusal

@@ -218,6 +218,47 @@ def test_after(rank):
         "test_after[ranks4]": "passed",
     }
     assert result.exit_codes() == [1, 1, 1, 1], result.output
+    root = torchruns_root_cause(result.output)
+    assert "rank      : 2 (local_rank: 2)" in root, result.output[-6000:]
+    assert "test_four.py::test_rank_2_fails[ranks4]: rank 2 failed: raised ValueError" in root
+    assert "error_file: <N/A>" not in root
+    said = "collateral: test_four.py::test_rank_2_fails[ranks4]: rank 2 failed"
+    assert torchruns_failures(result.output).count(said) == 3
+
+
+def torchruns_root_cause(output: str) -> str:
+    """torchrun's own summary, from "Root Cause" to its closing rule."""
+    assert "Root Cause (first observed failure):" in output, output[-4000:]
+    return output.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
+
+
+def torchruns_failures(output: str) -> str:
+    """torchrun's summary of the failures that are not its root cause."""
+    return output.split("Failures:", 1)[1].split("Root Cause (first observed failure):", 1)[0]
+
+
+@pytest.mark.slow
+def test_torchruns_summary_names_the_rank_of_the_first_failed_test(
+    pytester: pytest.Pytester,
+) -> None:
+    """torchrun said "Root Cause: rank 0 ... error_file: <N/A>" under our report naming rank 1:
+    each rank now writes its error file, the root cause's with its own report."""
+    source = """
+def test_plain_fails_on_rank_1():
+    assert int(os.environ["RANK"]) != 1, "rank 1's own check"
+
+@pytest.mark.ranks(2)
+def test_rank_0_fails_later(rank):
+    assert rank != 0
+"""
+    result = torchrun(write(pytester, test_first=source), 2)
+    assert result.exit_codes() == [1, 1], result.output
+    root = torchruns_root_cause(result.output)
+    assert "rank      : 1 (local_rank: 1)" in root, result.output[-6000:]
+    assert "test_first.py::test_plain_fails_on_rank_1: rank 1 failed" in root
+    assert "rank 1's own check" in root  # its own report, traceback and all
+    others = torchruns_failures(result.output)
+    assert "collateral: test_first.py::test_plain_fails_on_rank_1: rank 1 failed" in others
 
 
 @pytest.mark.slow

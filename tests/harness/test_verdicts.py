@@ -1009,7 +1009,9 @@ def test_raises_on_3(rank):
 def test_a_report_fits_the_first_screen(inner: pytest.Pytester) -> None:
     """Collateral ranks took a section each (gloo's long transport error, their traceback),
     the same error appeared once per peer in each one's captured log as well, and a rank's
-    output and log were printed twice (in its section and again as pytest's)."""
+    output and log were printed twice (in its section and again as pytest's). The one line
+    each then quoted gloo's error whole ("... Check the logs of the remote worker before
+    reporting an error. GLHF!"); it says what happened in the harness's words."""
     inner.makepyfile(test_report=FAILS_WITH_COLLATERAL)
     result = inner.runpytest("-p", "harness")
     result.assert_outcomes(failed=1)
@@ -1018,12 +1020,30 @@ def test_a_report_fits_the_first_screen(inner: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*rank 3 (pid *): raised ValueError: boom [[]root cause[]]*",
-            "rank 0 (pid *), waiting in all_reduce: raised RuntimeError: *Connection closed*",
+            "rank 0 (pid *), waiting in all_reduce: its collective failed as a peer went away "
+            "(RuntimeError: Connection closed by peer)",
             "rank 1 (pid *), waiting in all_reduce: the same",
             "rank 2 (pid *), waiting in all_reduce: the same",
         ]
     )
     assert out.count("Connection closed by peer") == 1, out
+    assert "GLHF" not in out and "remote worker" not in out  # gloo's words, quoted whole
     assert out.count("logged by rank 0") == 1 and out.count("printed by rank 0") == 1, out
     verbose = inner.runpytest("-p", "harness", "-v")
     verbose.stdout.fnmatch_lines(["*rank 0 (pid *): raised RuntimeError: * [[]collateral[]]*"])
+
+
+def test_under_ci_the_short_summary_gives_a_ranks_failure_its_headline_only(
+    inner: pytest.Pytester,
+) -> None:
+    """On a CI runner (CI set) pytest prints a failure's whole crash message in the short
+    summary: a ranks test's whole report, every rank's section and traceback, came twice."""
+    inner.makepyfile(test_report=FAILS_WITH_COLLATERAL)
+    os.environ["CI"] = "1"  # inner restores the environment after the test
+    result = inner.runpytest("-p", "harness", "-rf")
+    result.assert_outcomes(failed=1)
+    summary = result.stdout.str().split("short test summary info")[1].splitlines()[1:]
+    assert summary[0].startswith("FAILED test_report.py::test_raises_on_3") and (
+        "rank 3 failed: raised ValueError: boom" in summary[0]
+    ), summary
+    assert summary[1].startswith("====") and "1 failed" in summary[1], summary
