@@ -38,7 +38,8 @@ unit: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation and not plugins" -ra
 
 # Whole-process checks (pytest sessions in subprocesses: kills, Ctrl-C, start methods,
-# torchrun launches, adopted suites) and the failure matrix: minutes. CI runs it after test.
+# torchrun launches, adopted suites) and the failure matrix: 15 min on 2 cores (measured
+# 2026-12-03, load ~2; 25 min at load 10). CI runs it after test.
 test-slow: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation and not plugins" -ra
 
@@ -47,18 +48,20 @@ test-faults: $(STAMP)
 	$(PY) -m pytest -m slow tests/harness/test_fault_matrix.py -ra -v
 
 # Pairs of tests on the same warm ranks: the first leaves process state behind, the second
-# must not see it (a minute). CI runs it after test-slow.
+# must not see it: 1.5 min on 2 cores, load ~2 (3.7 min on a busy runner). CI runs it after
+# test-slow.
 test-isolation: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
 
 # The plugins CI runs (pytest-cov and coverage run, pytest-randomly, hypothesis,
 # pytest-rerunfailures, pytest-repeat) against ranks tests at 2 and 4 ranks, warm and fresh:
-# each a whole session in a subprocess (minutes). CI runs it after test-isolation.
+# each a whole session in a subprocess: 2-3 min on 2 cores. CI runs it after test-isolation.
 test-plugins: $(PLUGINS_STAMP)
 	$(PLUGINS_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m plugins -ra
 
 # make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
-# the same verdicts as on a quiet machine (15-25 minutes on 2 cores; not in .ci/run).
+# the same verdicts as on a quiet machine (26.6 min on 2 cores, measured 2026-12-02; not in
+# .ci/run).
 test-loaded: $(STAMP)
 	bash ci/loaded
 

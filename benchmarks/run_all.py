@@ -11,6 +11,7 @@ from benchmarks import (
     collectives,
     compute,
     coverage_cost,
+    first_test,
     harness_overhead,
     plots,
     preload,
@@ -70,6 +71,9 @@ def main() -> int:
     lines += ["", "## The ranks' private store", "", *private_store.main()]
     print("measuring coverage in ranks against coverage in plain tests...", flush=True)
     lines += coverage_cost.main()
+    _write(lines)
+    print("measuring a one-test session, with ranks and plain...", flush=True)
+    lines += first_test.main()
     _write(lines)
     print("measuring rank starts with the tests' imports preloaded...", flush=True)
     lines += ["", "## Ranks started with the tests' imports loaded", "", *preload.main()]

@@ -131,8 +131,17 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    by_reason: dict[str, list[str]] = {}
     for where, why in _session(config).not_adopted.items():
+        by_reason.setdefault(why, []).append(where)
+    for why, places in by_reason.items():  # once per reason: a suite has hundreds of classes
+        where = places[0] if len(places) == 1 else _some(places)
         terminalreporter.write_line(f"harness: not adopted, runs as before: {where}: {why}")
+
+
+def _some(places: list[str], shown: int = 3) -> str:
+    more = f", and {len(places) - shown} more" if len(places) > shown else ""
+    return f"{len(places)} classes ({', '.join(places[:shown])}{more})"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -149,7 +158,7 @@ def _kind(item: pytest.Item) -> Kind | None:
     if "torch" not in settings_of(item.config).adopt:  # first: item.cls walks the tree
         return None
     cls = getattr(item, "cls", None)
-    if not isinstance(cls, type) or not issubclass(cls, unittest.TestCase):
+    if not isinstance(cls, type):
         return None
     session = _session(item.config)
     if cls not in session.kinds:
@@ -162,6 +171,11 @@ def _kind(item: pytest.Item) -> Kind | None:
 
 def classify(cls: type) -> tuple[Kind | None, str | None]:
     """Which base `cls` derives from, and why it cannot be adopted (None when it can)."""
+    foreign = _foreign_base(cls)
+    if foreign is not None:
+        return None, foreign
+    if not issubclass(cls, unittest.TestCase):
+        return None, None
     bases = sys.modules.get(TORCH_BASES)
     if bases is None:
         return None, None
@@ -179,6 +193,27 @@ def classify(cls: type) -> tuple[Kind | None, str | None]:
             "under torchrun via run_rank) is not a base the harness adopts"
         )
     return None, None
+
+
+# Other projects' multi-rank test bases, known by the parts they run ranks with: a class on
+# one runs its own processes, as it would without the harness, and the session says so.
+FOREIGN_BASES = (
+    (
+        "DistributedExec",
+        ("_launch_procs", "_dist_run"),
+        "DeepSpeed's DistributedTest starts its own process pool per test (a base the harness "
+        "does not adopt yet)",
+    ),
+)
+
+
+def _foreign_base(cls: type) -> str | None:
+    """Why `cls` runs as it is, if it derives from another project's multi-rank base."""
+    for owner in cls.__mro__:
+        for name, parts, why in FOREIGN_BASES:
+            if owner.__name__ == name and all(callable(getattr(owner, p, None)) for p in parts):
+                return why
+    return None
 
 
 def _unfollowable(

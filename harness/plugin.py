@@ -137,6 +137,13 @@ def pytest_collection(session: pytest.Session) -> None:
     warm.start_server_early(session.config)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """At the session's first ranks test, if its server has not started yet: the rest of
+    the collection (every later test module) overlaps torch's import in the server."""
+    if item.get_closest_marker("ranks") is not None:
+        warm.start_server_early(item.config, ranks_collected=True)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What the fork server will import before starting ranks: what the tests imported."""
     session_settings = settings.settings_of(session.config)

@@ -96,11 +96,12 @@ CACHE_KEY = "harness/preloaded"
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def start_early_wanted(config: pytest.Config) -> list[str] | None:
-    """What a fork server started before collection imports first (the last session's list,
-    from pytest's cache), or None where starting one early is not wanted: only where ranks
-    are likely needed (the last session started them, or --rank-adopt is on), and never in
-    xdist's controller (its workers run the tests) or under torchrun."""
+def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> list[str] | None:
+    """What a fork server started before collection ends imports first (the last session's
+    list, from pytest's cache), or None where starting one early is not wanted: only where
+    ranks are likely needed (the last session started them, --rank-adopt is on, or a ranks
+    test was just collected), and never in xdist's controller (its workers run the tests)
+    or under torchrun."""
     session = settings_of(config)
     if session.preload != "auto" or session.start_method != "forkserver":
         return None
@@ -108,7 +109,7 @@ def start_early_wanted(config: pytest.Config) -> list[str] | None:
         return None
     cache = getattr(config, "cache", None)
     last = cache.get(CACHE_KEY, None) if cache is not None else None
-    if last is None and not session.adopt:
+    if last is None and not session.adopt and not ranks_collected:
         return None
     return _trusted(last) if isinstance(last, list) else []
 

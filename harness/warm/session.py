@@ -177,10 +177,20 @@ def pools_of(config: pytest.Config) -> Pools:
     return config.stash[_pools_key]
 
 
-def start_server_early(config: pytest.Config) -> None:
+_early_tried_key = pytest.StashKey[bool]()
+
+
+def start_server_early(config: pytest.Config, ranks_collected: bool = False) -> None:
     """Start the ranks' fork server while pytest collects, where ranks will likely be
-    needed (see preload.start_early_wanted): torch's import overlaps the collection."""
-    early = preload.start_early_wanted(config)
+    needed (see preload.start_early_wanted): torch's import overlaps the collection. Tried
+    once a session: as collection starts, or at its first ranks test (a fresh clone has no
+    cache that says the last session started ranks)."""
+    if config.stash.get(_early_tried_key, False):
+        return
+    early = preload.start_early_wanted(config, ranks_collected)
+    if early is None and not ranks_collected:
+        return  # asked again at the first ranks test
+    config.stash[_early_tried_key] = True
     if early is None:
         return
     try:

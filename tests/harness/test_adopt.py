@@ -235,7 +235,7 @@ def test_a_failed_rank_that_still_holds_a_group_it_destroyed_frees_its_peers(
     text = result.stdout.str()
     assert "rank 1 failed: raised AssertionError" in text, text
     assert "after a peer failed; killed" not in text, text  # its peer failed as soon as it did
-    result.stdout.fnmatch_lines(["rank 0 (pid *)*: raised *"])  # collateral: one line
+    result.stdout.fnmatch_lines(["rank 0 (pid *), waiting in *: its collective failed as a peer *"])
 
 
 @pytest.mark.slow
@@ -1429,3 +1429,56 @@ def test_an_adopted_modules_import_has_the_import_bound_and_says_so(
         [f"*rank ? still importing {where} after 1 s (--rank-import-timeout)*"]
     )
     assert "<frozen importlib._bootstrap>" not in result.stdout.str()  # folded
+
+
+DEEPSPEED_LIKE = """
+class DistributedExec:  # DeepSpeed's tests/unit/common.py, reduced to its shape
+    world_size = 2
+
+    def _launch_procs(self, num_procs, init_method):
+        raise AssertionError("not called here")
+
+    def _dist_run(self, local_rank, num_procs, master_port, init_method, skip_msg=""):
+        raise AssertionError("not called here")
+
+
+class DistributedTest(DistributedExec):
+    pass
+
+
+class TestFirst(DistributedTest):
+    def test_one(self):
+        pass
+
+    def test_two(self):
+        pass
+
+
+class TestSecond(DistributedTest):
+    def test_three(self):
+        pass
+
+
+class TestPlain:
+    def test_four(self):
+        pass
+"""
+
+
+def test_another_projects_base_runs_as_before_and_the_session_says_so_once(
+    inner: pytest.Pytester,
+) -> None:
+    """DeepSpeed's DistributedTest classes ran as they are under --rank-adopt torch, and
+    nothing said that they were not adopted."""
+    inner.makepyfile(test_ds=DEEPSPEED_LIKE)
+    result = inner.runpytest("-p", "harness", "--rank-adopt", "torch")
+    result.assert_outcomes(passed=4)
+    said = [line for line in result.outlines if "not adopted" in line]
+    assert said == [
+        "harness: not adopted, runs as before: 2 classes (test_ds.TestFirst, "
+        "test_ds.TestSecond): DeepSpeed's DistributedTest starts its own process pool per "
+        "test (a base the harness does not adopt yet)"
+    ], result.outlines
+    quiet = inner.runpytest("-p", "harness")  # adoption not asked for: nothing to say
+    quiet.assert_outcomes(passed=4)
+    assert not [line for line in quiet.outlines if "not adopted" in line]

@@ -178,22 +178,26 @@ def test_ranks(rank):
 """
 
 
-def test_the_fork_server_starts_during_collection_once_a_session_started_ranks(
+def test_the_fork_server_starts_during_collection_where_ranks_are_needed(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its imports (torch, the worker, what the last session preloaded) overlap the
-    # collection; a session that never started ranks starts none early (nor --collect-only).
+    # collection: from its start once a session started ranks, else from the first ranks
+    # test collected (a fresh clone, as CI runs, has no cache to remember). A session with
+    # no ranks test after one without ranks starts none (nor --collect-only).
     _project(inner)
-    inner.makepyfile(EARLY)
+    inner.makepyfile(test_early=EARLY, test_plain_only=EARLY.split("@pytest.mark.ranks")[0])
     run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
     monkeypatch.setenv("EXPECT_EARLY", "0")
+    run("test_plain_only.py").assert_outcomes(passed=1)
     run("--collect-only")
-    run().assert_outcomes(passed=2)
     monkeypatch.setenv("EXPECT_EARLY", "1")
-    run().assert_outcomes(passed=2)
+    run("test_early.py").assert_outcomes(passed=2)  # the first session: at its ranks test
+    run("test_plain_only.py").assert_outcomes(passed=1)  # the last one started ranks
     monkeypatch.setenv("EXPECT_EARLY", "0")
+    run("test_plain_only.py").assert_outcomes(passed=1)  # the last one started none
     monkeypatch.setenv("EXPECT_PRELOADED", "0")
-    run("--rank-preload", "none").assert_outcomes(passed=2)
+    run("--rank-preload", "none", "test_early.py").assert_outcomes(passed=2)
 
 
 def test_what_the_fork_server_prints_goes_into_a_report_or_nowhere(
@@ -206,10 +210,9 @@ def test_what_the_fork_server_prints_goes_into_a_report_or_nowhere(
     _project(inner)
     inner.makepyfile(EARLY)
     run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
-    monkeypatch.setenv("EXPECT_EARLY", "0")
-    run().assert_outcomes(passed=2)  # ranks started: the next session starts its server early
+    monkeypatch.setenv("EXPECT_EARLY", "1")  # started at the ranks test's collection
+    run().assert_outcomes(passed=2)  # ranks started: the next session starts it at once
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
-    monkeypatch.setenv("EXPECT_EARLY", "1")
     result = run("-k", "plain")
     result.assert_outcomes(passed=1)
     assert "harness.rank.worker" not in result.stdout.str() + result.stderr.str()
