@@ -67,7 +67,8 @@ class _Session:
     """What adoption knows in one pytest session: each class's verdict, the lines to print."""
 
     kinds: dict[type, Kind | None] = field(default_factory=dict)
-    not_adopted: dict[str, str] = field(default_factory=dict)  # where -> why
+    unadoptable: dict[type, str] = field(default_factory=dict)  # class -> why, once classified
+    not_adopted: dict[str, str] = field(default_factory=dict)  # where -> why, of what ran
     undo: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -111,10 +112,16 @@ def _torchs_timeout(item: pytest.Item) -> float:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    """Before the class's setUpClass: a continuous class spawns nothing from now on."""
-    cls = getattr(item, "cls", None) if _kind(item) == "continuous" else None
-    if cls is not None and "_spawn_processes" not in vars(cls):
-        _session(item.config).undo.append(_patch_continuous_spawn(cls))
+    """Before the class's setUpClass: a continuous class spawns nothing from now on. A class
+    that runs as it is gets its line in the summary (only those whose tests run)."""
+    kind = _kind(item)
+    cls: Any = getattr(item, "cls", None)
+    session = _session(item.config)
+    why = session.unadoptable.get(cls) if cls is not None else None
+    if why is not None:
+        session.not_adopted.setdefault(f"{cls.__module__}.{cls.__qualname__}", why)
+    if kind == "continuous" and "_spawn_processes" not in vars(cls):
+        session.undo.append(_patch_continuous_spawn(cls))
     return (yield)
 
 
@@ -165,7 +172,7 @@ def _kind(item: pytest.Item) -> Kind | None:
         kind, why = classify(cls)
         session.kinds[cls] = kind if why is None else None
         if why is not None:
-            session.not_adopted[f"{cls.__module__}.{cls.__qualname__}"] = why
+            session.unadoptable[cls] = why
     return session.kinds[cls]
 
 

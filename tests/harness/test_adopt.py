@@ -1479,6 +1479,14 @@ def test_another_projects_base_runs_as_before_and_the_session_says_so_once(
         "test_ds.TestSecond): DeepSpeed's DistributedTest starts its own process pool per "
         "test (a base the harness does not adopt yet)"
     ], result.outlines
+    # Only classes whose tests ran are named: -k leaves the others out.
+    picked = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-k", "three or four")
+    picked.assert_outcomes(passed=2, deselected=2)
+    said = [line for line in picked.outlines if "not adopted" in line]
+    assert said == [
+        "harness: not adopted, runs as before: test_ds.TestSecond: DeepSpeed's DistributedTest "
+        "starts its own process pool per test (a base the harness does not adopt yet)"
+    ], picked.outlines
     quiet = inner.runpytest("-p", "harness")  # adoption not asked for: nothing to say
     quiet.assert_outcomes(passed=4)
     assert not [line for line in quiet.outlines if "not adopted" in line]
