@@ -60,7 +60,7 @@ test-plugins: $(PLUGINS_STAMP)
 	$(PLUGINS_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m plugins -ra
 
 # make test's tests, the demo's tests and the failure matrix under 4 CPU burners per core:
-# the same verdicts as on a quiet machine (26.6 min on 2 cores, measured 2026-12-02; not in
+# the same verdicts as on a quiet machine (24.5 min on 2 cores, measured 2026-12-03; not in
 # .ci/run).
 test-loaded: $(STAMP)
 	bash ci/loaded
