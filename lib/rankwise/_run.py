@@ -126,9 +126,9 @@ def distributed_run(
         raise
     except BaseException as exc:
         state.end()
-        _error_file.leaving(exc, rank())  # torchrun's summary names the rank that failed
         if _owned(callers_group) and size() > 1:
-            abort()
+            abort()  # writes this rank's entry for torchrun's summary itself
+        _error_file.leaving(exc, rank())  # torchrun's summary names the rank that failed
         _teardown(callers_group, wait=False)
         raise
     state.end()
