@@ -39,6 +39,21 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
 
 
+def _passes(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run `python *args` in `cwd` (bounded); its stdout, once it exited 0."""
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 def test_the_readme_has_both_kinds_of_snippet() -> None:
     assert len(SCRIPTS) >= 4 and len(TEST_FILES) >= 4
 
@@ -62,17 +77,8 @@ def test_a_readme_script_runs_as_written(code: str, tmp_path: Path) -> None:
 def test_the_readme_tests_pass_as_written(tmp_path: Path) -> None:
     for i, code in enumerate(TEST_FILES):
         (tmp_path / f"test_readme_{i}.py").write_text(code)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness", "-p", "no:cacheprovider", "-q"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    assert " failed" not in result.stdout and " error" not in result.stdout
+    out = _passes(tmp_path, "-m", "pytest", "-p", "harness", "-p", "no:cacheprovider", "-q")
+    assert " failed" not in out and " error" not in out
 
 
 @pytest.mark.slow
@@ -86,19 +92,10 @@ def test_the_first_tests_command_prints_what_the_readme_shows(tmp_path: Path) ->
     assert command is not None and shown is not None
     args = command.group(1).split()[1:]
     (tmp_path / "test_sum.py").write_text(first)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    printed = [line.split(" [")[0].rstrip() for line in result.stdout.splitlines()]
+    out = _passes(tmp_path, "-m", "pytest", "-p", "no:cacheprovider", *args)
+    printed = [line.split(" [")[0].rstrip() for line in out.splitlines()]
     for line in shown.group(1).strip().splitlines():
-        assert line in printed, f"{line!r} not printed:\n{result.stdout}"
+        assert line in printed, f"{line!r} not printed:\n{out}"
 
 
 @pytest.mark.slow
@@ -115,16 +112,7 @@ def test_the_library_snippet_runs_on_several_cpu_ranks_under_torchrun(
     logs = tmp_path / "logs"  # each rank's stdout in a file of its own: lines not interleaved
     command = ["--standalone", "--nproc-per-node", str(world), "--log-dir", str(logs)]
     command += ["--redirects", "1", "lib_snippet.py"]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *command],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _passes(tmp_path, "-m", "torch.distributed.run", *command, env=env)
     printed = {int(f.parent.name): f.read_text() for f in logs.glob("*/attempt_0/*/stdout.log")}
     assert sorted(printed) == list(range(world)), printed
     assert printed[0] == f"True 0 {world} True\n"
