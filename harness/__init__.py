@@ -80,6 +80,7 @@ pytest_plugins = [
     "harness.plugin",
     "harness.simulate",
     "harness.adopt",
+    "harness.adopt_deepspeed",
     "harness.spawning",
     "harness.kept_pool",
     "harness.launched.reports",

@@ -1,4 +1,5 @@
-"""Existing torch suites on warm ranks: ``--rank-adopt torch`` (ini ``rank_adopt = torch``).
+"""Existing torch suites on warm ranks: ``--rank-adopt torch`` (ini ``rank_adopt = torch``;
+DeepSpeed's are adopt_deepspeed.py's, and ``--rank-adopt torch,deepspeed`` names both).
 
 Tests whose class derives from torch's ``MultiProcessTestCase`` or ``MultiProcContinuousTest``
 (``torch.testing._internal.common_distributed``) keep their source. Their parent-side
@@ -162,25 +163,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def _kind(item: pytest.Item) -> Kind | None:
     """How `item` is adopted, or None (not asked for, not such a class, or not honourable)."""
-    if "torch" not in settings_of(item.config).adopt:  # first: item.cls walks the tree
+    adopters = settings_of(item.config).adopt
+    if "torch" not in adopters:  # first: item.cls walks the tree
         return None
     cls = getattr(item, "cls", None)
     if not isinstance(cls, type):
         return None
     session = _session(item.config)
     if cls not in session.kinds:
-        kind, why = classify(cls)
+        kind, why = classify(cls, deepspeed_adopted="deepspeed" in adopters)
         session.kinds[cls] = kind if why is None else None
         if why is not None:
             session.unadoptable[cls] = why
     return session.kinds[cls]
 
 
-def classify(cls: type) -> tuple[Kind | None, str | None]:
-    """Which base `cls` derives from, and why it cannot be adopted (None when it can)."""
+def classify(cls: type, deepspeed_adopted: bool = False) -> tuple[Kind | None, str | None]:
+    """Which of torch's bases `cls` derives from, and why it cannot be adopted (None when it
+    can, or when another adopter takes it: DeepSpeed's, with `deepspeed_adopted`)."""
     foreign = _foreign_base(cls)
     if foreign is not None:
-        return None, foreign
+        return None, None if deepspeed_adopted and foreign == DEEPSPEED_NOT_ASKED else foreign
     if not issubclass(cls, unittest.TestCase):
         return None, None
     bases = sys.modules.get(TORCH_BASES)
@@ -204,14 +207,11 @@ def classify(cls: type) -> tuple[Kind | None, str | None]:
 
 # Other projects' multi-rank test bases, known by the parts they run ranks with: a class on
 # one runs its own processes, as it would without the harness, and the session says so.
-FOREIGN_BASES = (
-    (
-        "DistributedExec",
-        ("_launch_procs", "_dist_run"),
-        "DeepSpeed's DistributedTest starts its own process pool per test (a base the harness "
-        "does not adopt yet)",
-    ),
+DEEPSPEED_NOT_ASKED = (
+    "DeepSpeed's DistributedTest starts its own process pool per test; add deepspeed to "
+    "--rank-adopt (--rank-adopt torch,deepspeed) to run it on warm ranks"
 )
+FOREIGN_BASES = (("DistributedExec", ("_launch_procs", "_dist_run"), DEEPSPEED_NOT_ASKED),)
 
 
 def _foreign_base(cls: type) -> str | None:
@@ -228,7 +228,7 @@ def _unfollowable(
 ) -> str | None:
     missing = [name for name in needed if not hasattr(base, name)]
     expected = PROCESS_ENTRY if entry == "_run" else CONTINUOUS_ENTRY
-    if missing or _parameters(getattr(base, entry, None))[: len(expected)] != list(expected):
+    if missing or parameters_of(getattr(base, entry, None))[: len(expected)] != list(expected):
         return (
             f"the installed torch's {base.__name__} is not the one the harness supports "
             f"(missing or changed: {', '.join(missing) or entry}); see README 'Existing suites'"
@@ -240,7 +240,8 @@ def _unfollowable(
     return None
 
 
-def _parameters(fn: Any) -> list[str]:
+def parameters_of(fn: Any) -> list[str]:
+    """`fn`'s parameter names, without cls or self ([] when it has no signature)."""
     try:
         return [p for p in inspect.signature(fn).parameters if p not in ("cls", "self")]
     except (TypeError, ValueError):
@@ -284,7 +285,7 @@ def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> 
         _entry_kwargs(cls, case),
     )
     spec = adopted_spec(item, int(case.world_size))
-    _run_and_judge(item, spec, adopted.run_multiprocess_case, args)
+    run_and_judge(item, spec, adopted.run_multiprocess_case, args)
 
 
 def _entry_kwargs(cls: type, case: Any) -> dict[str, Any]:
@@ -332,7 +333,7 @@ def _run_continuous_case(item: pytest.Item, case: Any) -> None:
     world_size = cls._harness_world_size
     with _rendezvous_file() as rdvz:
         args = (packing.function_target(cls), case.id(), rdvz, world_size)
-        _run_and_judge(item, adopted_spec(item, world_size), adopted.run_continuous_case, args)
+        run_and_judge(item, adopted_spec(item, world_size), adopted.run_continuous_case, args)
 
 
 @contextlib.contextmanager
@@ -350,8 +351,9 @@ def _rendezvous_file() -> Iterator[str]:
 # ---- running and judging --------------------------------------------------------------------
 
 
-def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
-    """A run with no group set up (the class sets its own) under the harness's bound."""
+def adopted_spec(item: pytest.Item, world_size: int, timeout: float | None = None) -> RankSpec:
+    """A run with no group set up (the class sets its own) under the harness's bound (or
+    `timeout`, the adopter's own choice of it)."""
     if world_size < 1:
         pytest.skip(
             f"world_size is {world_size}: no rank to run the test on (torch spawns no process "
@@ -360,7 +362,9 @@ def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
     settings = settings_of(item.config)
     return RankSpec(
         world_size=world_size,
-        timeout_s=item.stash.get(_timeout_key, None) or timeout_for(settings, None, "", item),
+        timeout_s=timeout
+        or item.stash.get(_timeout_key, None)
+        or timeout_for(settings, None, "", item),
         backend=settings.backend,
         start_method=settings.start_method,
         bare=True,
@@ -372,21 +376,28 @@ def adopted_spec(item: pytest.Item, world_size: int) -> RankSpec:
     )
 
 
-def _run_and_judge(
+def run_and_judge(
     item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
-    case: Target = args[0]
-    # The harness's timer bounds the ranks; pytest-timeout's the class's own setUp and
-    # tearDown here around them (set afresh after the ranks, as for a ranks test's teardown).
+    """`entry(*args, rank=r)` on every warm rank of `spec`, judged by torch's rules."""
     with runner.pytest_timeout_paused(item):
-        # The class's module (and torch's test utilities) under the import's own bound.
-        outcomes = warm.import_ahead(item.config, item, spec, case)
-        if all(o.ok for o in outcomes):
-            target = packing.function_target(entry)
-            outcomes = warm.on_warm_ranks(
-                item.config, spec, target, encode_args(args, {"rank": None})
-            )
+        outcomes = run_adopted(item, spec, entry, args)
     runner.after_body(item, spec, outcomes, judged_by=judge_adopted)
+
+
+def run_adopted(
+    item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
+) -> list[RankOutcome]:
+    """`entry(*args, rank=r)` on every warm rank of `spec`, after the ranks imported the
+    module of `args[0]` (the class's Target) under the import's own bound. The harness's
+    timer bounds the ranks; the caller pauses pytest-timeout's (runner.pytest_timeout_paused:
+    it bounds the class's own set-up and tear-down here around them)."""
+    case: Target = args[0]
+    outcomes = warm.import_ahead(item.config, item, spec, case)
+    if all(o.ok for o in outcomes):
+        target = packing.function_target(entry)
+        outcomes = warm.on_warm_ranks(item.config, spec, target, encode_args(args, {"rank": None}))
+    return outcomes
 
 
 def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
@@ -406,4 +417,9 @@ def as_skip(outcome: RankOutcome) -> RankOutcome:
 
 
 def _note(item: pytest.Item, why: str) -> None:
-    _session(item.config).not_adopted[item.nodeid] = why
+    note_not_adopted(item.config, item.nodeid, why)
+
+
+def note_not_adopted(config: pytest.Config, where: str, why: str) -> None:
+    """One line in the session's summary: `where` (a class, a test) runs as before, and why."""
+    _session(config).not_adopted.setdefault(where, why)

@@ -58,7 +58,12 @@ OPTIONS: list[tuple[str, str, str]] = [
         "left alone when OMP_NUM_THREADS is set)",
         "N",
     ),
-    ("rank_adopt", "run torch's MultiProcessTestCase suites on warm ranks: torch", "KIND"),
+    (
+        "rank_adopt",
+        "run existing multi-rank suites on warm ranks: torch (MultiProcessTestCase and its "
+        "family), deepspeed (DeepSpeed's DistributedTest), or both: torch,deepspeed",
+        "KIND",
+    ),
     (
         "rank_seed",
         "the session seed every rank's generators are seeded from, per test (default: "
@@ -73,7 +78,8 @@ OPTIONS: list[tuple[str, str, str]] = [
     ),
 ]
 PRELOAD_MODES = ("auto", "none")  # --rank-preload (see preload.py)
-ADOPTERS = ("torch",)  # the --rank-adopt values: which existing test bases run on warm ranks
+# The --rank-adopt values: which existing test bases run on warm ranks.
+ADOPTERS = ("torch", "deepspeed")
 
 
 @dataclass(frozen=True)

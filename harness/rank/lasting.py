@@ -17,11 +17,23 @@ from harness.common import hygiene
 from harness.common.outcome import RankOutcome
 from harness.rank import kept_group
 
+_asked: list[str] = []  # an adapter's reasons this test gave (see replace_after_this_test)
+
+
+def replace_after_this_test(why: str) -> None:
+    """What an adapter found this test left that it cannot put back (`why`, said as what the
+    test did): the ranks are replaced before the next test."""
+    _asked.append(why)
+
 
 def why_replaced(daemons: list[str], unwaited_before: int | None) -> str:
     """Why this rank must not serve another test, though the test may pass: what it left
     that the process keeps for its life ("" when nothing)."""
     replaced = "the ranks are replaced for the next test"
+    if _asked:
+        asked = "; ".join(_asked)
+        _asked.clear()
+        return f"{asked}; {replaced}"
     if daemons:
         return f"left daemon threads running ({', '.join(daemons)}); {replaced}"
     if _rpc_was_initialized():

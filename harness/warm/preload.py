@@ -10,7 +10,9 @@ rank of every world size then starts with them loaded: about one fork each.
 Only installed and standard-library modules are chosen. The project's own modules (test
 helpers, conftests, its packages, installed or not) are still imported in each rank, after
 the rank knows who it is: a module of the project that reads the rank's environment at
-import time keeps reading its own rank. Imports no torch.
+import time keeps reading its own rank. One exception: a library whose suite is adopted
+(DeepSpeed's, tested from its source checkout) is preloaded from wherever the pytest process
+imported it. Imports no torch.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ def plan_of(config: pytest.Config) -> PreloadPlan | None:
     collected = config.stash.get(_collected_key, None)
     if plan is None and collected is not None:
         before = config.stash.get(_before_key, _AT_PLUGIN_LOAD)
-        never = _plugin_packages(config) | _project_packages(config.rootpath)
+        also = adopted_libraries(config)
+        never = (_plugin_packages(config) | _project_packages(config.rootpath)) - also
         modules = {name: sys.modules.get(name) for name in collected.names}
-        found = tuple(chosen(before, modules, never))
+        found = tuple(chosen(before, modules, never, also))
         plan = config.stash[_plan_key] = PreloadPlan(found, collected.bound_s, collected.environ)
     return plan
 
@@ -124,7 +127,21 @@ def record(config: pytest.Config, started_ranks: bool, failed: list[str]) -> Non
     if plan is None:
         cache.set(CACHE_KEY, None)
         return
-    cache.set(CACHE_KEY, [name for name in plan.modules if name not in set(failed)])
+    roots = installed_roots()  # a source checkout's modules: the early server would import
+    kept = [n for n in plan.modules if n not in set(failed) and _installed(n, roots)]
+    cache.set(CACHE_KEY, kept)  # the installed copy, before conftest puts the checkout first
+
+
+def _installed(name: str, roots: tuple[str, ...]) -> bool:
+    file = getattr(sys.modules.get(name), "__file__", None)
+    return not isinstance(file, str) or os.path.realpath(file).startswith(roots)
+
+
+def adopted_libraries(config: pytest.Config) -> frozenset[str]:
+    """Libraries an adopted suite tests from a source checkout (DeepSpeed's conftest puts its
+    repository first on sys.path): preloaded wherever they come from, so that a new rank
+    costs a fork, not their import."""
+    return frozenset({"deepspeed"}) & settings_of(config).adopt
 
 
 def _trusted(names: list[object]) -> list[str]:
@@ -158,10 +175,14 @@ def _xdist_controller(config: pytest.Config) -> bool:
 
 
 def chosen(
-    before: frozenset[str], modules: Mapping[str, ModuleType | None], never: frozenset[str]
+    before: frozenset[str],
+    modules: Mapping[str, ModuleType | None],
+    never: frozenset[str],
+    also: frozenset[str] = frozenset(),
 ) -> list[str]:
     """The modules imported since `before` that come from the standard library or an
-    installed distribution, in the order their imports began (parents first)."""
+    installed distribution (or whose top-level package is in `also`, from wherever), in the
+    order their imports began (parents first)."""
     roots, never = installed_roots(), never | _NEVER
     found = []
     for name, module in list(modules.items()):
@@ -170,7 +191,9 @@ def chosen(
         if getattr(module, "__name__", None) != name:
             continue  # an alias another module put there (six.moves, torch.ops.*)
         file = getattr(module, "__file__", None)
-        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
+        if isinstance(file, str) and (
+            os.path.realpath(file).startswith(roots) or name.partition(".")[0] in also
+        ):
             found.append(name)
     return found
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Files the DeepSpeed adoption tests copy into their pytester directories, not tests here.
+collect_ignore = ["deepspeed_like"]
+
 # The imports every generated rank test file starts with.
 HEADER = """
 import os, signal, sys, threading, pytest, torch, torch.distributed as dist

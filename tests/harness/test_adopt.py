@@ -1477,7 +1477,8 @@ def test_another_projects_base_runs_as_before_and_the_session_says_so_once(
     assert said == [
         "harness: not adopted, runs as before: 2 classes (test_ds.TestFirst, "
         "test_ds.TestSecond): DeepSpeed's DistributedTest starts its own process pool per "
-        "test (a base the harness does not adopt yet)"
+        "test; add deepspeed to --rank-adopt (--rank-adopt torch,deepspeed) to run it on warm "
+        "ranks"
     ], result.outlines
     # Only classes whose tests ran are named: -k leaves the others out.
     picked = inner.runpytest("-p", "harness", "--rank-adopt", "torch", "-k", "three or four")
@@ -1485,7 +1486,8 @@ def test_another_projects_base_runs_as_before_and_the_session_says_so_once(
     said = [line for line in picked.outlines if "not adopted" in line]
     assert said == [
         "harness: not adopted, runs as before: test_ds.TestSecond: DeepSpeed's DistributedTest "
-        "starts its own process pool per test (a base the harness does not adopt yet)"
+        "starts its own process pool per test; add deepspeed to --rank-adopt (--rank-adopt "
+        "torch,deepspeed) to run it on warm ranks"
     ], picked.outlines
     quiet = inner.runpytest("-p", "harness")  # adoption not asked for: nothing to say
     quiet.assert_outcomes(passed=4)

@@ -1,0 +1,348 @@
+"""DeepSpeed's DistributedTest suites on warm ranks: ``--rank-adopt deepspeed``.
+
+DeepSpeed's unit tests derive from ``DistributedTest`` or ``DistributedFixture`` (both on
+``DistributedExec``, in its ``tests/unit/common.py``; followed here as of DeepSpeed commit
+edaa722). Their source and DeepSpeed's own conftest stay as they are: the conftest still calls
+the class with the test's request, so fixtures, parametrize values and world sizes (an int, a
+list, the ``world_size`` marker or fixture) are resolved in the pytest process exactly as
+DeepSpeed resolves them. Only the launch changes. The base's ``_launch_with_file_store`` (a new
+process pool per world size, a teardown barrier, then a 0.5 s pause) is replaced for the
+session: per world size the test keeps its file-store rendezvous and DeepSpeed's skip rule
+(``device_count()`` below the world size), and every warm rank runs the instance's own
+``_dist_run`` (rank/adopted_deepspeed.py). The harness judges each rank's end: the rank that
+failed first is the root cause, a rank's ``sys.exit`` fails the test naming it, a hang is cut
+at the harness's bound with every rank's stack.
+
+A class the adapter cannot follow (one that overrides the launch, or a DistributedExec that is
+not the one above) runs as before, and the session says so once. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import pickle
+import re
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from harness import adopt, packing, runner
+from harness.common.errors import SpecError
+from harness.common.outcome import RankOutcome
+from harness.rank import adopted_deepspeed
+from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
+
+BASE = "DistributedExec"
+# What the base must have for the adapter to follow it, and what a class must not override
+# (the launch the adapter replaces).
+NEEDED = ("run", "_launch_with_file_store", "_launch_procs", "_dist_run", "_dist_destroy")
+REPLACED = (
+    "_launch_with_file_store",
+    "_launch_procs",
+    "_launch_daemonic_procs",
+    "_launch_non_daemonic_procs",
+)
+DIST_RUN_ARGS = ["local_rank", "num_procs", "master_port", "init_method"]
+# Built by DeepSpeed's TorchBackend on a CPU accelerator at every init_distributed: built here
+# once, outside any test's bound, so a rank only loads it.
+SHM_BUILDER = "ShareMemCommBuilder"
+
+
+@dataclass
+class _Session:
+    why_not: dict[type, str | None] = field(default_factory=dict)  # class -> why not adopted
+    patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # base -> original
+    extensions_ready: bool = False
+
+
+_session_key = pytest.StashKey[_Session]()
+
+
+def _session(config: pytest.Config) -> _Session:
+    if _session_key not in config.stash:
+        config.stash[_session_key] = _Session()
+    return config.stash[_session_key]
+
+
+def wanted(config: pytest.Config) -> bool:
+    return "deepspeed" in settings_of(config).adopt
+
+
+# ---- hooks ------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Replace the launch of every DeepSpeed base the collected tests use (a test class's, or
+    a DistributedFixture's the test asks for), once per base, for the session."""
+    if not wanted(config):
+        return
+    session = _session(config)
+    for item in items:
+        for cls in _exec_classes(item):
+            base = find_base(cls)
+            if base is not None and base not in session.patched and why_base_differs(base) is None:
+                session.patched[base] = vars(base)["_launch_with_file_store"]
+                base._launch_with_file_store = _adopted_launch(session.patched[base])  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A DeepSpeed class that runs as it is gets its line in the summary (only those whose
+    tests run)."""
+    if not wanted(item.config):
+        return
+    for cls in _exec_classes(item):
+        why = _why_not(item.config, cls)
+        if why is not None:
+            adopt.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(_session_key, None)
+    for base, original in (session.patched if session is not None else {}).items():
+        base._launch_with_file_store = original  # type: ignore[attr-defined]
+
+
+def _exec_classes(item: pytest.Item) -> list[type]:
+    """The DistributedExec classes `item` runs: its class, and the DistributedFixtures among
+    the fixtures it asks for (DeepSpeed registers the class itself as the fixture)."""
+    found = []
+    cls = getattr(item, "cls", None)
+    if isinstance(cls, type):
+        found.append(cls)
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            func = getattr(fixturedef, "func", None)
+            if isinstance(func, type) and getattr(func, "is_dist_fixture", False):
+                found.append(func)
+    return [c for c in found if find_base(c) is not None]
+
+
+# ---- which classes --------------------------------------------------------------------------
+
+
+def find_base(cls: type) -> type | None:
+    """DeepSpeed's DistributedExec among `cls`'s bases, known by its name and its launch."""
+    for owner in cls.__mro__:
+        if owner.__name__ == BASE and all(
+            callable(getattr(owner, p, None)) for p in ("_launch_procs", "_dist_run")
+        ):
+            return owner
+    return None
+
+
+def why_base_differs(base: type) -> str | None:
+    """Why the adapter cannot follow this DistributedExec (None when it can)."""
+    missing = [name for name in NEEDED if not callable(vars(base).get(name))]
+    dist_run = vars(base).get("_dist_run")
+    launch = vars(base).get("_launch_procs")
+    if missing or adopt.parameters_of(dist_run)[:4] != DIST_RUN_ARGS:
+        changed = ", ".join(missing) or "_dist_run's parameters"
+        return f"its DistributedExec is not the one the harness follows ({changed} changed)"
+    if "get_accelerator" not in getattr(launch, "__globals__", {}):
+        return "its DistributedExec's module has no get_accelerator (the skip rule's source)"
+    return None
+
+
+def why_not(cls: type) -> str | None:
+    """Why `cls` runs as it is under ``--rank-adopt deepspeed`` (None: it is adopted)."""
+    base = find_base(cls)
+    if base is None:
+        return "not a DeepSpeed DistributedExec"
+    differs = why_base_differs(base)
+    if differs is not None:
+        return differs
+    for owner in cls.__mro__[: cls.__mro__.index(base)]:
+        overridden = [name for name in REPLACED if name in vars(owner)]
+        if overridden:
+            return f"{owner.__qualname__} overrides {', '.join(overridden)}"
+    return None
+
+
+def _why_not(config: pytest.Config, cls: type) -> str | None:
+    session = _session(config)
+    if cls not in session.why_not:
+        session.why_not[cls] = why_not(cls)
+    return session.why_not[cls]
+
+
+# ---- the launch -----------------------------------------------------------------------------
+
+
+def _adopted_launch(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def launch(self: Any, request: Any, world_size: Any) -> None:
+        item = getattr(request, "node", None)
+        if _why_not(request.config, type(self)) is not None:
+            original(self, request, world_size)  # its line is in the summary (runtest_setup)
+            return
+        if not isinstance(item, pytest.Item):  # a DistributedFixture of a wider scope
+            where = f"{type(self).__module__}.{type(self).__qualname__}"
+            adopt.note_not_adopted(request.config, where, "a fixture set up outside a test")
+            original(self, request, world_size)
+            return
+        tmpdir = request.getfixturevalue("tmpdir")
+        for procs in _world_sizes(world_size):
+            # One file store per world size, in the test's tmpdir, as DeepSpeed makes them.
+            fd, store = tempfile.mkstemp(dir=str(tmpdir), suffix="_filestore")
+            os.close(fd)
+            run_world(self, item, procs, f"file://{store}")
+
+    return launch
+
+
+def _world_sizes(value: Any) -> list[int]:
+    sizes = [value] if isinstance(value, int) else value
+    if not isinstance(sizes, list | tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in sizes
+    ):
+        raise SpecError(
+            f"world_size is {value!r}: DeepSpeed's DistributedTest takes an int or a list of "
+            f"ints (the class attribute, @pytest.mark.world_size(n) or a world_size fixture)"
+        )
+    return list(sizes)
+
+
+def run_world(exec_: Any, item: pytest.Item, num_procs: int, init_method: str) -> None:
+    """One world size of a DeepSpeed test or fixture, on warm ranks (DeepSpeed's _launch_procs)."""
+    base = find_base(type(exec_))
+    assert base is not None
+    accelerator = vars(base)["_launch_procs"].__globals__["get_accelerator"]()
+    if accelerator.is_available() and accelerator.device_count() < num_procs:
+        raise pytest.skip.Exception(  # DeepSpeed's rule and words (CPU: LOCAL_SIZE, NUMA nodes)
+            f"Skipping test because not enough GPUs are available: {num_procs} required, "
+            f"{accelerator.device_count()} available",
+            _use_item_location=True,
+        )
+    if exec_.non_daemonic_procs and exec_.reuse_dist_env:
+        raise AssertionError("Cannot reuse distributed environment with non-daemonic processes")
+    _extensions_built_once(item.config, accelerator)
+    _picklable(exec_)
+    spec = adopt.adopted_spec(item, num_procs, timeout=_timeout(item, exec_))
+    deepspeed = sys.modules.get("deepspeed")
+    args = (
+        packing.function_target(type(exec_)),
+        exec_,
+        num_procs,
+        _free_port(),
+        init_method,
+        getattr(deepspeed, "__file__", None),
+    )
+    with runner.pytest_timeout_paused(item):
+        outcomes = adopt.run_adopted(item, spec, adopted_deepspeed.run_exec, args)
+        for _ in range(MAX_BUILDS):  # each op a test asks for is built once, then it runs again
+            asked = builders_asked(outcomes)
+            if not asked:
+                break
+            for builder in asked:
+                _build(item.config, builder)
+            outcomes = adopt.run_adopted(item, spec, adopted_deepspeed.run_exec, args)
+    runner.after_body(item, spec, outcomes)
+
+
+MAX_BUILDS = 4  # ops one test may JIT-build (cpu_adam, fused_adam, ...), each built once
+_NOT_BUILT = "ExtensionNotBuilt"
+_BUILDER = re.compile(r"\(([\w.]+:[\w.]+)\)")
+
+
+def builders_asked(outcomes: list[RankOutcome]) -> list[str]:
+    """The DeepSpeed ops ("module:qualname" of their builders) the ranks found not built."""
+    asked = []
+    for o in outcomes:
+        found = _BUILDER.search(o.message) if o.exc_type.endswith(_NOT_BUILT) else None
+        if found is not None and found.group(1) not in asked:
+            asked.append(found.group(1))
+    return asked
+
+
+def _build(config: pytest.Config, builder: str) -> None:
+    """JIT-build one DeepSpeed op here, once (torch's cache keeps it for every rank)."""
+    module_name, _, qualname = builder.partition(":")
+    start = time.monotonic()
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        with contextlib.redirect_stdout(sys.stderr):
+            found().load()
+    except Exception as exc:
+        raise SpecError(
+            f"building DeepSpeed's {qualname} op for the ranks failed: {type(exc).__name__}: "
+            f"{exc}; build it once by hand (python -c 'from {module_name} import {qualname}; "
+            f"{qualname}().load()') and read its compiler output"
+        ) from None
+    _said(config, f"built DeepSpeed's {qualname} op once for the session's ranks", start)
+
+
+def _said(config: pytest.Config, what: str, start: float) -> None:
+    took = time.monotonic() - start
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and took > 5:
+        reporter.write_line(f"harness: {what} ({took:.0f} s; kept in TORCH_EXTENSIONS_DIR)")
+
+
+def _timeout(item: pytest.Item, exec_: Any) -> float:
+    """The harness's bound (--rank-timeout, a timeout marker, pytest-timeout's); DeepSpeed's
+    own (DS_UNITTEST_TIMEOUT, the class's exec_timeout) where the user set it."""
+    own = os.environ.get("DS_UNITTEST_TIMEOUT")
+    bound = getattr(exec_, "exec_timeout", None) if own else None
+    default = float(bound) if isinstance(bound, int | float) and bound > 0 else DEFAULT_TIMEOUT_S
+    return timeout_for(settings_of(item.config), None, "", item, default)
+
+
+def _picklable(exec_: Any) -> None:
+    """The instance travels to the ranks as DeepSpeed's pool sends it (pickled): say which
+    value cannot, before any rank starts."""
+    try:
+        pickle.dumps(exec_)
+    except Exception as exc:
+        names = [k for k, v in vars(exec_).get("_fixture_kwargs", {}).items() if not _pickles(v)]
+        which = f" (fixture values that cannot: {', '.join(names)})" if names else ""
+        raise SpecError(
+            f"{type(exec_).__qualname__}: the test instance cannot be sent to its ranks{which}: "
+            f"{type(exc).__name__}: {exc}; DeepSpeed's own pool pickles it too: make the "
+            f"fixture values picklable"
+        ) from None
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def _free_port() -> str:
+    """A port for MASTER_PORT (DeepSpeed's ranks rendezvous over the file store; the port is
+    only what they see in their environment), on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
+    """DeepSpeed's TorchBackend JIT-builds its shared-memory all-reduce op on a CPU accelerator
+    at every init_distributed (minutes, the first time). Built or loaded here once per session,
+    outside every test's bound: each rank then loads the cached build (TORCH_EXTENSIONS_DIR)."""
+    session = _session(config)
+    if session.extensions_ready:
+        return
+    session.extensions_ready = True
+    build = getattr(sys.modules.get("deepspeed.comm.torch"), "build_shm_op", None)
+    if accelerator.device_name() != "cpu" or build is None:
+        return
+    start = time.monotonic()
+    with contextlib.redirect_stdout(sys.stderr):  # its "built successfully" line
+        build()
+    _said(config, f"built DeepSpeed's {SHM_BUILDER} op once for the session's ranks", start)

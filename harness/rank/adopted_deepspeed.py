@@ -1,0 +1,222 @@
+"""What runs inside a rank for a DeepSpeed test adopted with ``--rank-adopt deepspeed``.
+
+Each rank calls the test instance's own ``_dist_run`` as DeepSpeed's pool worker does (its
+environment variables, ``deepspeed.init_distributed`` over the test's file store, a barrier,
+the test), then its ``_dist_destroy`` (a barrier, the group destroyed) as DeepSpeed's pool
+does after each test. DeepSpeed keeps its distributed state in module globals (the backend in
+``deepspeed.comm.comm``, the groups in ``deepspeed.utils.groups``, the accelerator); they are
+put back as they were before the test, so the next test on this warm rank starts as on a
+fresh one. What cannot be put back (a backend that sets itself up once per process) has the
+ranks replaced. Runs only in ranks; imports no torch until it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from harness.common import endings
+from harness.common.protocol import Target
+
+endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
+
+# Where DeepSpeed keeps its distributed state: every global, its dicts, lists and sets too.
+STATE_MODULES = (
+    "deepspeed.comm.comm",
+    "deepspeed.comm.torch",
+    "deepspeed.utils.groups",
+    "deepspeed.accelerator.real_accelerator",
+    "deepspeed.runtime.zero.partition_parameters",
+)
+# torch's functions zero.Init replaces while it is entered (put back if a test left them so).
+TORCH_PATCHED = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+# Backends whose native side sets itself up once per process (oneCCL's and MPI's keep their
+# first communicator): a later test's init_distributed would silently reuse it.
+ONCE_PER_PROCESS = ("ccl", "mpi", "hccl")
+
+
+class ExtensionNotBuilt(RuntimeError):
+    """A test asked for a DeepSpeed op that is not built yet: the pytest process builds it
+    once, outside the test's bound, and runs the test again (adopt_deepspeed.py)."""
+
+    def __init__(self, builder: type) -> None:
+        self.builder = f"{builder.__module__}:{builder.__qualname__}"
+        super().__init__(
+            f"DeepSpeed's {builder.__qualname__} op is not built yet ({self.builder}); "
+            f"the harness builds it once in the pytest process and runs the test again"
+        )
+
+
+@contextlib.contextmanager
+def _no_build_in_ranks() -> Iterator[None]:
+    """A JIT build in a rank would take minutes under the test's bound, and each rank would
+    wait on torch's build lock: an op not built yet is raised as ExtensionNotBuilt instead."""
+    builder_module = sys.modules.get("deepspeed.ops.op_builder.builder")
+    op_builder = getattr(builder_module, "OpBuilder", None)
+    original = getattr(op_builder, "jit_load", None)
+    if op_builder is None or original is None:
+        yield
+        return
+
+    def jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _built(str(self.name)):
+            raise ExtensionNotBuilt(type(self))
+        return original(self, *args, **kwargs)
+
+    op_builder.jit_load = jit_load
+    try:
+        yield
+    finally:
+        op_builder.jit_load = original
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension cache holds a build of `name` (TORCH_EXTENSIONS_DIR)."""
+    from torch.utils import cpp_extension
+
+    folder = cpp_extension._get_build_directory(name, verbose=False)
+    return os.path.exists(os.path.join(folder, f"{name}.so"))
+
+
+class _SkipBox:
+    """The queue a non-daemonic DeepSpeed rank puts its skip message in."""
+
+    def __init__(self) -> None:
+        self.message = ""
+
+    def put(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        self.message = str(message)
+
+
+def run_exec(
+    case: Target,
+    exec_: Any,
+    num_procs: int,
+    master_port: str,
+    init_method: str,
+    deepspeed_file: str | None,
+    *,
+    rank: int,
+) -> None:
+    """Run one world size of a DeepSpeed test (or DistributedFixture) on this rank, as
+    DeepSpeed's pool worker runs it; a skip on this rank is a skip."""
+    _same_deepspeed(deepspeed_file)
+    __tracebackhide__ = True
+    kept = State.taken()
+    skips: list[BaseException] = []
+    exec_.run = _noting_skips(exec_.run, skips)  # the instance's: its class's stays
+    try:
+        with _no_build_in_ranks():
+            skipped = _dist_run(exec_, rank, num_procs, master_port, init_method)
+            exec_._dist_destroy()  # DeepSpeed's pool does this on every rank after each test
+    finally:
+        kept.put_back()
+    if skipped:  # the test's own skip, reported where the test called it
+        raise skips[-1] if skips else pytest.skip.Exception(skipped)
+
+
+def _noting_skips(run: Any, skips: list[BaseException]) -> Any:
+    """The test's ``run``, keeping the skip it raises (``_dist_run`` keeps only its text)."""
+
+    def run_noting_skips(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return run(*args, **kwargs)
+        except pytest.skip.Exception as exc:
+            skips.append(exc)
+            raise
+
+    return run_noting_skips
+
+
+def _dist_run(exec_: Any, rank: int, num_procs: int, master_port: str, init_method: str) -> str:
+    """The instance's ``_dist_run``; the skip message it gives ("" when the test ran)."""
+    if exec_.non_daemonic_procs:  # DeepSpeed's own processes report a skip in a queue
+        box = _SkipBox()
+        exec_._dist_run(rank, num_procs, master_port, init_method, box)
+        return box.message
+    return str(exec_._dist_run(rank, num_procs, master_port, init_method) or "")
+
+
+def _same_deepspeed(expected: str | None) -> None:
+    """The rank's deepspeed must be the pytest process's (a source checkout, not an installed
+    copy the fork server imported first)."""
+    found = getattr(sys.modules.get("deepspeed"), "__file__", None)
+    if expected is not None and found is not None and found != expected:
+        raise RuntimeError(
+            f"this rank imported deepspeed from {found}, the pytest process from {expected}; "
+            f"run with --rank-preload none, or install the checkout (pip install -e)"
+        )
+
+
+@dataclass
+class State:
+    """DeepSpeed's module globals (and torch's functions zero.Init replaces) as they were."""
+
+    modules: dict[str, tuple[ModuleType, dict[str, Any], dict[str, Any]]] = field(
+        default_factory=dict
+    )
+    torch_functions: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def taken(cls) -> State:
+        state = cls()
+        for name in STATE_MODULES:
+            module = sys.modules.get(name)
+            if module is not None:
+                values = dict(vars(module))
+                contents = {  # not __builtins__: a module's, shared by every module
+                    k: _copy(v) for k, v in values.items() if not k.startswith("__")
+                }
+                contents = {k: v for k, v in contents.items() if v is not None}
+                state.modules[name] = (module, values, contents)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            state.torch_functions = {n: getattr(torch, n) for n in TORCH_PATCHED}
+        return state
+
+    def put_back(self) -> None:
+        """Every global as it was; a backend that cannot be set up again replaces the ranks."""
+        from harness.rank import lasting
+
+        comm = sys.modules.get("deepspeed.comm.comm")
+        backend = getattr(comm, "cdb", None)
+        name = str(getattr(backend, "name", "torch"))
+        if backend is not None and name in ONCE_PER_PROCESS:
+            lasting.replace_after_this_test(
+                f"set DeepSpeed's {name} backend up (its native side keeps its first "
+                f"communicator for the process's life)"
+            )
+        for module, values, contents in self.modules.values():
+            now = vars(module)
+            for key in [k for k in now if k not in values and not k.startswith("__")]:
+                del now[key]
+            now.update(values)
+            for key, saved in contents.items():
+                _refill(values[key], saved)
+        torch = sys.modules.get("torch")
+        for fn_name, fn in self.torch_functions.items():
+            setattr(torch, fn_name, fn)
+
+
+def _copy(value: Any) -> Any:
+    if type(value) in (dict, list, set):
+        return type(value)(value)
+    return None
+
+
+def _refill(container: Any, saved: Any) -> None:
+    if container == saved:
+        return
+    container.clear()
+    if isinstance(container, list):
+        container.extend(saved)
+    else:
+        container.update(saved)

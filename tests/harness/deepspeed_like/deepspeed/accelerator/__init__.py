@@ -1,0 +1,3 @@
+from deepspeed.accelerator.real_accelerator import get_accelerator
+
+__all__ = ["get_accelerator"]
