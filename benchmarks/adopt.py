@@ -6,7 +6,9 @@ tests that pass under torch only because torch checks rank 0's exit status alone
 must give the same verdicts except those false greens, which the adoption turns red.
 
 ``--suite`` also runs torch's own suites, shipped in its wheel, each as one whole file:
-DistributedTest, the RPC suites (TensorPipe agent) and DDP under dist autograd.
+DistributedTest, the RPC suites (TensorPipe agent) and DDP under dist autograd; and
+``--suite deepspeed --deepspeed-src DIR`` DeepSpeed's own tests from a checkout
+(benchmarks/adopt_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -474,11 +476,17 @@ SUITES: dict[str, Callable[[], list[str]]] = {
 
 def _cli() -> None:
     parser = argparse.ArgumentParser(description="existing suites, as they are and adopted")
-    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
-    chosen = parser.parse_args().suite
+    parser.add_argument("--suite", choices=[*SUITES, "deepspeed", "all"], default="all")
+    parser.add_argument("--deepspeed-src", help="a DeepSpeed checkout (for --suite deepspeed)")
+    parser.add_argument("--python", help="the Python that runs DeepSpeed's tests (default: this)")
+    options = parser.parse_args()
     for name, suite in SUITES.items():
-        if chosen in (name, "all"):
+        if options.suite in (name, "all"):
             print("\n".join(suite()), flush=True)
+    if options.suite == "deepspeed" or (options.suite == "all" and options.deepspeed_src):
+        from benchmarks.adopt_deepspeed import deepspeed_suite
+
+        print("\n".join(deepspeed_suite(options.deepspeed_src, options.python)), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import pytest
 from harness import adopt, packing, runner
 from harness.common.errors import SpecError
 from harness.common.outcome import RankOutcome
+from harness.common.protocol import RankSpec
 from harness.rank import adopted_deepspeed
 from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
 
@@ -62,6 +63,7 @@ class _Session:
     why_not: dict[type, str | None] = field(default_factory=dict)  # class -> why not adopted
     patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # base -> original
     extensions_ready: bool = False
+    ops_built: set[str] = field(default_factory=set)  # JIT ops built (or found) here
 
 
 _session_key = pytest.StashKey[_Session]()
@@ -238,21 +240,30 @@ def run_world(exec_: Any, item: pytest.Item, num_procs: int, init_method: str) -
         init_method,
         getattr(deepspeed, "__file__", None),
     )
+    session = _session(item.config)
     with runner.pytest_timeout_paused(item):
-        outcomes = adopt.run_adopted(item, spec, adopted_deepspeed.run_exec, args)
+        outcomes = _run(item, spec, args, session.ops_built)
         for _ in range(MAX_BUILDS):  # each op a test asks for is built once, then it runs again
             asked = builders_asked(outcomes)
             if not asked:
                 break
             for builder in asked:
-                _build(item.config, builder)
-            outcomes = adopt.run_adopted(item, spec, adopted_deepspeed.run_exec, args)
+                session.ops_built.add(_build(item.config, builder))
+            outcomes = _run(item, spec, args, session.ops_built)
     runner.after_body(item, spec, outcomes)
 
 
 MAX_BUILDS = 4  # ops one test may JIT-build (cpu_adam, fused_adam, ...), each built once
 _NOT_BUILT = "ExtensionNotBuilt"
 _BUILDER = re.compile(r"\(([\w.]+:[\w.]+)\)")
+
+
+def _run(
+    item: pytest.Item, spec: RankSpec, args: tuple[Any, ...], built: set[str]
+) -> list[RankOutcome]:
+    """The ranks' run, told which JIT ops are built (run_exec's last argument)."""
+    entry = adopted_deepspeed.run_exec
+    return adopt.run_adopted(item, spec, entry, (*args, tuple(sorted(built))))
 
 
 def builders_asked(outcomes: list[RankOutcome]) -> list[str]:
@@ -265,16 +276,18 @@ def builders_asked(outcomes: list[RankOutcome]) -> list[str]:
     return asked
 
 
-def _build(config: pytest.Config, builder: str) -> None:
-    """JIT-build one DeepSpeed op here, once (torch's cache keeps it for every rank)."""
+def _build(config: pytest.Config, builder: str) -> str:
+    """JIT-build one DeepSpeed op here, once (torch's cache keeps it for every rank); its
+    name. In torch's cache already (this copy of DeepSpeed, these flags), it only loads."""
     module_name, _, qualname = builder.partition(":")
     start = time.monotonic()
     try:
         found: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             found = getattr(found, part)
+        op = found()
         with contextlib.redirect_stdout(sys.stderr):
-            found().load()
+            op.load()
     except Exception as exc:
         raise SpecError(
             f"building DeepSpeed's {qualname} op for the ranks failed: {type(exc).__name__}: "
@@ -282,6 +295,7 @@ def _build(config: pytest.Config, builder: str) -> None:
             f"{qualname}().load()') and read its compiler output"
         ) from None
     _said(config, f"built DeepSpeed's {qualname} op once for the session's ranks", start)
+    return str(op.name)
 
 
 def _said(config: pytest.Config, what: str, start: float) -> None:
@@ -344,5 +358,7 @@ def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
         return
     start = time.monotonic()
     with contextlib.redirect_stdout(sys.stderr):  # its "built successfully" line
-        build()
+        built = build()
+    if built is not None:  # None: not compatible here, and the ranks do not build it either
+        session.ops_built.add(str(accelerator.create_op_builder(SHM_BUILDER).name))
     _said(config, f"built DeepSpeed's {SHM_BUILDER} op once for the session's ranks", start)

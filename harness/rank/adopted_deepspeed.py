@@ -13,7 +13,6 @@ ranks replaced. Runs only in ranks; imports no torch until it runs.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,34 +54,37 @@ class ExtensionNotBuilt(RuntimeError):
 
 
 @contextlib.contextmanager
-def _no_build_in_ranks() -> Iterator[None]:
+def _no_build_in_ranks(ready: tuple[str, ...]) -> Iterator[None]:
     """A JIT build in a rank would take minutes under the test's bound, and each rank would
-    wait on torch's build lock: an op not built yet is raised as ExtensionNotBuilt instead."""
-    builder_module = sys.modules.get("deepspeed.ops.op_builder.builder")
-    op_builder = getattr(builder_module, "OpBuilder", None)
-    original = getattr(op_builder, "jit_load", None)
-    if op_builder is None or original is None:
-        yield
-        return
+    wait on torch's build lock: an op the pytest process has not built (or found built) in
+    this session is raised as ExtensionNotBuilt instead. (A build in torch's cache may be
+    another copy's: torch rebuilds it when the sources' paths or flags differ.)"""
+    originals: dict[type, Any] = {base: vars(base)["jit_load"] for base in _op_builders()}
 
     def jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _built(str(self.name)):
+        if str(self.name) not in ready:
             raise ExtensionNotBuilt(type(self))
-        return original(self, *args, **kwargs)
+        owner = next(base for base in type(self).__mro__ if base in originals)
+        return originals[owner](self, *args, **kwargs)
 
-    op_builder.jit_load = jit_load
+    for base in originals:
+        base.jit_load = jit_load  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        op_builder.jit_load = original
+        for base, original in originals.items():
+            base.jit_load = original  # type: ignore[attr-defined]
 
 
-def _built(name: str) -> bool:
-    """Whether torch's extension cache holds a build of `name` (TORCH_EXTENSIONS_DIR)."""
-    from torch.utils import cpp_extension
-
-    folder = cpp_extension._get_build_directory(name, verbose=False)
-    return os.path.exists(os.path.join(folder, f"{name}.so"))
+def _op_builders() -> list[type]:
+    """DeepSpeed's OpBuilder base as loaded here: deepspeed.ops.op_builder in a wheel, the
+    top-level op_builder package in a source checkout."""
+    found = []
+    for name in ("deepspeed.ops.op_builder.builder", "op_builder.builder"):
+        base = getattr(sys.modules.get(name), "OpBuilder", None)
+        if isinstance(base, type) and callable(vars(base).get("jit_load")):
+            found.append(base)
+    return found
 
 
 class _SkipBox:
@@ -102,18 +104,20 @@ def run_exec(
     master_port: str,
     init_method: str,
     deepspeed_file: str | None,
+    ready_ops: tuple[str, ...],
     *,
     rank: int,
 ) -> None:
     """Run one world size of a DeepSpeed test (or DistributedFixture) on this rank, as
-    DeepSpeed's pool worker runs it; a skip on this rank is a skip."""
+    DeepSpeed's pool worker runs it; a skip on this rank is a skip. `ready_ops`: the JIT
+    ops the pytest process has built this session (any other raises ExtensionNotBuilt)."""
     _same_deepspeed(deepspeed_file)
     __tracebackhide__ = True
     kept = State.taken()
     skips: list[BaseException] = []
     exec_.run = _noting_skips(exec_.run, skips)  # the instance's: its class's stays
     try:
-        with _no_build_in_ranks():
+        with _no_build_in_ranks(ready_ops):
             skipped = _dist_run(exec_, rank, num_procs, master_port, init_method)
             exec_._dist_destroy()  # DeepSpeed's pool does this on every rank after each test
     finally:

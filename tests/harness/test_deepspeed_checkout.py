@@ -1,0 +1,137 @@
+"""DeepSpeed's own tests, from a source checkout, adopted (make test-deepspeed DEEPSPEED_SRC=DIR).
+
+Runs in .venv-deepspeed (ci/deepspeed builds it: DeepSpeed's requirements and pytest below
+8.4), each session in DeepSpeed's tests/ folder on CPU (DS_ACCELERATOR=cpu, LOCAL_SIZE=2:
+DeepSpeed's skip rule reads the device count from it), as a DeepSpeed developer runs them.
+Skipped, with the reason, without DEEPSPEED_SRC.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = os.environ.get("DEEPSPEED_SRC", "")
+pytestmark = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(
+        not SRC or not (Path(SRC) / "tests" / "unit" / "common.py").is_file(),
+        reason="set DEEPSPEED_SRC to a DeepSpeed checkout (make test-deepspeed DEEPSPEED_SRC=DIR)",
+    ),
+]
+
+# CPU-runnable files (gloo); the shared-memory all-reduce kernels for bf16 and fp16 need
+# AVX-512 in DeepSpeed releases before 0.19.8 and die of SIGILL without it (as they are too).
+SELECTION = (
+    "unit/comm/test_dist.py",
+    "unit/runtime/test_runtime_utils.py",
+    "unit/runtime/test_data.py",
+    "unit/runtime/test_ds_config_dict.py",
+    "unit/utils/test_groups.py",
+)
+NOT_ON_THIS_CPU = "not TestDistInferenceAllReduce"
+# A handful, run both ways: DeepSpeed's own pools take about 25 s a test here.
+BOTH_WAYS = (
+    "unit/comm/test_dist.py::TestDistArgs",
+    "unit/comm/test_dist.py::TestGroupedDistTest",
+    "unit/comm/test_dist.py::TestWorldSizeOverrideDistTest",
+    "unit/comm/test_dist.py::TestDistributedFixture",
+    "unit/comm/test_dist.py::TestInit",
+)
+
+
+def _session(tests: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore", *args]
+    return subprocess.run(
+        command, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _outcomes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """test id -> PASSED/FAILED/ERROR, and each skip's reason -> SKIPPED, from -rA's short
+    summary (a skip's place differs: DeepSpeed's code as it is, the test adopted)."""
+    found = {}
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", result.stdout).splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR") and "::" in rest:
+            found[rest.split(" - ")[0]] = word
+        elif word == "SKIPPED":
+            found[rest.split(": ", 1)[-1]] = word
+    return found
+
+
+def test_the_selection_passes_adopted() -> None:
+    tests = Path(SRC) / "tests"
+    adopt = ("-p", "harness", "--rank-adopt", "deepspeed")
+    result = _session(tests, *adopt, "-k", NOT_ON_THIS_CPU, *SELECTION)
+    tail = result.stdout[-4000:]
+    assert result.returncode == 0, tail
+    assert "not adopted" not in result.stdout, tail
+    assert " passed" in tail and "failed" not in tail.splitlines()[-1], tail
+
+
+def test_what_passes_as_it_is_passes_adopted() -> None:
+    tests = Path(SRC) / "tests"
+    as_it_is = _session(tests, "-p", "no:harness", "-rA", *BOTH_WAYS)
+    adopted = _session(tests, "-p", "harness", "--rank-adopt", "deepspeed", "-rA", *BOTH_WAYS)
+    was, now = _outcomes(as_it_is), _outcomes(adopted)
+    assert was and was == now, (as_it_is.stdout[-3000:], adopted.stdout[-3000:])
+
+
+FAILING = """
+import sys
+import torch
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+
+
+class TestAssertWhilePeerWaits(DistributedTest):
+    world_size = 2
+
+    def test(self):
+        if dist.get_rank() == 1:
+            assert dist.get_rank() == 0, "rank 1's own assertion"
+        dist.all_reduce(torch.ones(1))
+
+
+class TestExitOnOneRank(DistributedTest):
+    world_size = 2
+    non_daemonic_procs = True
+
+    def test(self):
+        if dist.get_rank() == 1:
+            sys.exit(0)
+"""
+
+
+def test_deepspeed_failures_get_the_harness_verdicts(tmp_path: Path) -> None:
+    """DeepSpeed's base itself, beside the checkout (its conftest, pytest.ini, unit/common.py
+    and helpers copied; deepspeed from the checkout): rank 1's assertion is the root cause at
+    once (as it is: a 600 s wait, then its teardown blamed), and sys.exit(0) on rank 1 under
+    non_daemonic_procs fails naming it (as it is: a pass)."""
+    tests = tmp_path / "tests"
+    (tests / "unit").mkdir(parents=True)
+    for name in ("conftest.py", "pytest.ini"):
+        shutil.copy(Path(SRC) / "tests" / name, tests / name)
+    for name in ("__init__.py", "common.py", "util.py", "simple_model.py"):
+        shutil.copy(Path(SRC) / "tests" / "unit" / name, tests / "unit" / name)
+    (tests / "unit" / "test_failing.py").write_text(textwrap.dedent(FAILING))
+    os.environ["PYTHONPATH"] = SRC  # deepspeed from the checkout, as its conftest has it
+    try:
+        adopt = ("-p", "harness", "--rank-adopt", "deepspeed")
+        result = _session(tests, *adopt, "unit/test_failing.py", timeout=300)
+    finally:
+        del os.environ["PYTHONPATH"]
+    out = result.stdout
+    assert "2 failed" in out, out[-3000:]
+    assert "rank 1 failed: raised AssertionError: rank 1's own assertion" in out, out[-3000:]
+    assert "rank 1 failed: called sys.exit(0)" in out, out[-3000:]
