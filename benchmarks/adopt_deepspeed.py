@@ -38,12 +38,13 @@ SELECTION = (
     "unit/runtime/test_runtime_utils.py",
     "unit/utils/test_groups.py",
     "unit/utils/test_partition_balanced.py",
-    "unit/runtime/test_data.py",
-    "unit/runtime/test_ds_config_dict.py",
 )
+# The shared-memory all-reduce kernels for bf16 and fp16 need AVX-512 in DeepSpeed releases
+# before 0.19.8: without it they die of SIGILL, and as they are their pool then waits 600 s.
+NOT_ON_THIS_CPU = ("-k", "not TestDistInferenceAllReduce")
 TARGET = 20.0
 SESSION_TIMEOUT_S = 3600.0  # the selection as it is: about 30 s a test
-FAILING_TIMEOUT_S = 240.0  # a failing test as it is: DeepSpeed's own bound is 600 s
+FAILING_TIMEOUT_S = 180.0  # a failing test as it is: DeepSpeed's own bound is 600 s
 ADOPTED = ("-p", "harness", "--rank-adopt", "deepspeed")
 ADOPTED_WARNINGS = ("-W", "always::harness.RanksReplacedWarning")
 AS_IS = ("-p", "no:harness")
@@ -160,8 +161,9 @@ def selection(python: str, src: Path) -> list[str]:
     tests = src / "tests"
     files = [f for f in SELECTION if (tests / f).exists()]
     _warm_extensions(python, tests)
-    before = run_session(python, tests, [*AS_IS, *files], SESSION_TIMEOUT_S)
-    after = run_session(python, tests, [*ADOPTED, *ADOPTED_WARNINGS, *files], SESSION_TIMEOUT_S)
+    before = run_session(python, tests, [*AS_IS, *NOT_ON_THIS_CPU, *files], SESSION_TIMEOUT_S)
+    adopted = [*ADOPTED, *ADOPTED_WARNINGS, *NOT_ON_THIS_CPU, *files]
+    after = run_session(python, tests, adopted, SESSION_TIMEOUT_S)
     was, now = before.found["outcomes"], after.found["outcomes"]
     passing = [n for n, o in was.items() if o == "passed"]
     same = all(now.get(n) == "passed" for n in passing) and was == now

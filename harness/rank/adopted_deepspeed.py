@@ -54,7 +54,7 @@ class ExtensionNotBuilt(RuntimeError):
 
 
 @contextlib.contextmanager
-def _no_build_in_ranks(ready: tuple[str, ...]) -> Iterator[None]:
+def _no_build_in_ranks(ready: tuple[str, ...], unbuilt: list[ExtensionNotBuilt]) -> Iterator[None]:
     """A JIT build in a rank would take minutes under the test's bound, and each rank would
     wait on torch's build lock: an op the pytest process has not built (or found built) in
     this session is raised as ExtensionNotBuilt instead. (A build in torch's cache may be
@@ -63,7 +63,8 @@ def _no_build_in_ranks(ready: tuple[str, ...]) -> Iterator[None]:
 
     def jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
         if str(self.name) not in ready:
-            raise ExtensionNotBuilt(type(self))
+            unbuilt.append(ExtensionNotBuilt(type(self)))
+            raise unbuilt[-1]
         owner = next(base for base in type(self).__mro__ if base in originals)
         return originals[owner](self, *args, **kwargs)
 
@@ -116,12 +117,18 @@ def run_exec(
     kept = State.taken()
     skips: list[BaseException] = []
     exec_.run = _noting_skips(exec_.run, skips)  # the instance's: its class's stays
+    unbuilt: list[ExtensionNotBuilt] = []
     try:
-        with _no_build_in_ranks(ready_ops):
+        with _no_build_in_ranks(ready_ops, unbuilt):
             skipped = _dist_run(exec_, rank, num_procs, master_port, init_method)
             exec_._dist_destroy()  # DeepSpeed's pool does this on every rank after each test
+    except BaseException:
+        if not unbuilt:
+            raise
     finally:
         kept.put_back()
+    if unbuilt:  # even where the test caught it: its run is not the test's as DeepSpeed runs it
+        raise unbuilt[0]
     if skipped:  # the test's own skip, reported where the test called it
         raise skips[-1] if skips else pytest.skip.Exception(skipped)
 

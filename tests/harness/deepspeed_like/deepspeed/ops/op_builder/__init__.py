@@ -1,3 +1,3 @@
-from deepspeed.ops.op_builder.builder import OpBuilder, TinyAdamBuilder
+from deepspeed.ops.op_builder.builder import OpBuilder, TinyAdamBuilder, TinyLionBuilder
 
-__all__ = ["OpBuilder", "TinyAdamBuilder"]
+__all__ = ["OpBuilder", "TinyAdamBuilder", "TinyLionBuilder"]

@@ -27,3 +27,7 @@ class OpBuilder:
 
 class TinyAdamBuilder(OpBuilder):
     NAME = "tiny_adam"
+
+
+class TinyLionBuilder(OpBuilder):
+    NAME = "tiny_lion"
