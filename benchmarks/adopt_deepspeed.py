@@ -266,5 +266,5 @@ def deepspeed_suite(src: str | None, python: str | None) -> list[str]:
     checkout = Path(src).resolve()
     if not (checkout / "tests" / "unit" / "common.py").is_file():
         raise SystemExit(f"{checkout} has no tests/unit/common.py: give a DeepSpeed checkout")
-    py = python or sys.executable
+    py = os.path.abspath(python) if python else sys.executable  # not resolved: a venv's link
     return [*selection(py, checkout), *failing(py, checkout)]

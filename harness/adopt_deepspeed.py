@@ -193,12 +193,9 @@ def _adopted_launch(original: Callable[..., Any]) -> Callable[..., Any]:
             adopt.note_not_adopted(request.config, where, "a fixture set up outside a test")
             original(self, request, world_size)
             return
-        tmpdir = request.getfixturevalue("tmpdir")
+        tmpdir = request.getfixturevalue("tmpdir")  # where DeepSpeed makes its file stores
         for procs in _world_sizes(world_size):
-            # One file store per world size, in the test's tmpdir, as DeepSpeed makes them.
-            fd, store = tempfile.mkstemp(dir=str(tmpdir), suffix="_filestore")
-            os.close(fd)
-            run_world(self, item, procs, f"file://{store}")
+            run_world(self, item, procs, str(tmpdir))
 
     return launch
 
@@ -215,8 +212,9 @@ def _world_sizes(value: Any) -> list[int]:
     return list(sizes)
 
 
-def run_world(exec_: Any, item: pytest.Item, num_procs: int, init_method: str) -> None:
-    """One world size of a DeepSpeed test or fixture, on warm ranks (DeepSpeed's _launch_procs)."""
+def run_world(exec_: Any, item: pytest.Item, num_procs: int, store_dir: str) -> None:
+    """One world size of a DeepSpeed test or fixture, on warm ranks (DeepSpeed's _launch_procs),
+    each run with a file store of its own in `store_dir`, as DeepSpeed makes one per launch."""
     base = find_base(type(exec_))
     assert base is not None
     accelerator = vars(base)["_launch_procs"].__globals__["get_accelerator"]()
@@ -237,7 +235,7 @@ def run_world(exec_: Any, item: pytest.Item, num_procs: int, init_method: str) -
         exec_,
         num_procs,
         _free_port(),
-        init_method,
+        store_dir,
         getattr(deepspeed, "__file__", None),
     )
     session = _session(item.config)
@@ -261,9 +259,14 @@ _BUILDER = re.compile(r"\(([\w.]+:[\w.]+)\)")
 def _run(
     item: pytest.Item, spec: RankSpec, args: tuple[Any, ...], built: set[str]
 ) -> list[RankOutcome]:
-    """The ranks' run, told which JIT ops are built (run_exec's last argument)."""
+    """The ranks' run on a new file store (in args' store folder), told which JIT ops are
+    built (run_exec's last argument)."""
+    target, exec_, num_procs, port, store_dir, deepspeed_file = args
+    fd, store = tempfile.mkstemp(dir=store_dir, suffix="_filestore")
+    os.close(fd)
+    run_args = (target, exec_, num_procs, port, f"file://{store}", deepspeed_file)
     entry = adopted_deepspeed.run_exec
-    return adopt.run_adopted(item, spec, entry, (*args, tuple(sorted(built))))
+    return adopt.run_adopted(item, spec, entry, (*run_args, tuple(sorted(built))))
 
 
 def builders_asked(outcomes: list[RankOutcome]) -> list[str]:

@@ -100,6 +100,21 @@ class TestNoInit(DistributedTest):
         assert not dist.is_initialized() and os.environ["LOCAL_SIZE"] == "2"
 
 
+class TestNoDistEnv(DistributedTest):
+    world_size = 1
+    set_dist_env = False
+
+    def test_environment_left_alone(self):
+        assert os.environ["LOCAL_SIZE"] == "2"  # _dist_run would set it to the world size, 1
+
+
+class TestPreloaded(DistributedTest):
+    def test_deepspeed_came_with_the_fork(self):
+        import deepspeed  # from the checkout, imported once by the fork server
+
+        assert deepspeed.IMPORTED_IN != os.getpid()
+
+
 class TestReuse(DistributedTest):
     reuse_dist_env = True
 
@@ -177,6 +192,12 @@ class TestBuildsOnce(DistributedTest):
 """
 
 
+def _line(text: str) -> int:
+    """The line of PASSING that holds `text`, as pytester writes the file (its first, empty
+    line left out)."""
+    return next(n for n, line in enumerate(PASSING.splitlines()) if text in line)
+
+
 def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     ds: pytest.Pytester,
 ) -> None:
@@ -186,13 +207,14 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     back between tests on the same ranks, and an op JIT-built once in the pytest process."""
     ds.makepyfile(test_ds=PASSING)
     result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs", "-v")
-    result.assert_outcomes(passed=16, skipped=3)
+    result.assert_outcomes(passed=18, skipped=3)
     result.stdout.fnmatch_lines_random(
         [
-            "SKIPPED [[]1[]] test_ds.py:45: not on this machine",  # where the ranks skipped
-            "SKIPPED [[]1[]] test_ds.py:81: non-daemonic skip",
-            "SKIPPED [[]1[]] test_ds.py:51: Skipping test because not enough GPUs are "
-            "available: 3 required, 2 available",  # the test, not the harness's code
+            # where the ranks skipped; DeepSpeed's own skip, where the test is
+            f"SKIPPED [[]1[]] test_ds.py:{_line('not on this machine')}: not on this machine",
+            f"SKIPPED [[]1[]] test_ds.py:{_line('non-daemonic skip')}: non-daemonic skip",
+            f"SKIPPED [[]1[]] test_ds.py:{_line('def test_never_runs')}: Skipping test because "
+            "not enough GPUs are available: 3 required, 2 available",
         ]
     )
     result.stdout.no_fnmatch_line("*not adopted*")
@@ -234,6 +256,13 @@ class TestNonDaemonicExit(DistributedTest):
             sys.exit(0)
 
 
+class TestCclBackend(DistributedTest):
+    def test_sets_a_backend_up_once_per_process(self):
+        import deepspeed.comm.comm as comm_state
+
+        comm_state.cdb.name = "ccl"  # as DeepSpeed's CCLBackend names itself
+
+
 class TestOwnLaunch(DistributedTest):
     def _launch_procs(self, num_procs, init_method):
         pass  # a class that launches its own way runs as it is
@@ -250,8 +279,9 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
     "Multiple different skip messages" does; a hang is cut with every rank's stack. A class
     with its own launch runs as before, and the session says so."""
     ds.makepyfile(test_ds=FAILING)
-    result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs")
-    result.assert_outcomes(passed=1, failed=5)
+    warned = ("-W", "always::harness.RanksReplacedWarning")
+    result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs", *warned)
+    result.assert_outcomes(passed=2, failed=5)
     result.stdout.fnmatch_lines_random(
         [
             "rank 1 failed: raised AssertionError: assert [[]1, 2[]] == [[]1, 3[]]; rank 0 *",
@@ -262,6 +292,8 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
             "*threading.py*in wait*",
             "harness: not adopted, runs as before: test_ds.TestOwnLaunch: TestOwnLaunch "
             "overrides _launch_procs",
+            "*RanksReplacedWarning: *set DeepSpeed's ccl backend up (its native side keeps its "
+            "first communicator*the ranks are replaced for the next test*",
         ]
     )
 
