@@ -323,21 +323,14 @@ def _picklable(exec_: Any) -> None:
     try:
         pickle.dumps(exec_)
     except Exception as exc:
-        names = [k for k, v in vars(exec_).get("_fixture_kwargs", {}).items() if not _pickles(v)]
+        values = vars(exec_).get("_fixture_kwargs", {})
+        names = [name for name, value in values.items() if not packing.pickles(value)]
         which = f" (fixture values that cannot: {', '.join(names)})" if names else ""
         raise SpecError(
             f"{type(exec_).__qualname__}: the test instance cannot be sent to its ranks{which}: "
             f"{type(exc).__name__}: {exc}; DeepSpeed's own pool pickles it too: make the "
             f"fixture values picklable"
         ) from None
-
-
-def _pickles(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
 
 
 def _free_port() -> str:

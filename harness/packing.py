@@ -125,7 +125,7 @@ def class_changes(cls: type) -> dict[str, Any] | None:
         return None
     body = known[1]
     changed = {k: v for k, v in vars(cls).items() if k not in body or body[k] is not v}
-    return {k: v for k, v in changed.items() if _pickles(v)} or None
+    return {k: v for k, v in changed.items() if pickles(v)} or None
 
 
 def _recipes(plan: FixturePlan | None) -> tuple[FixtureRecipe, ...]:
@@ -209,13 +209,13 @@ def _ini(config: pytest.Config, name: str) -> Any:
 
 
 def _mark_that_travels(mark: pytest.Mark) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    args = tuple(a if _pickles(a) else repr(a) for a in mark.args)
-    kwargs = {k: v if _pickles(v) else repr(v) for k, v in mark.kwargs.items()}
+    args = tuple(a if pickles(a) else repr(a) for a in mark.args)
+    kwargs = {k: v if pickles(v) else repr(v) for k, v in mark.kwargs.items()}
     return mark.name, args, kwargs
 
 
 def _picklable(values: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in values.items() if _pickles(value)}
+    return {name: value for name, value in values.items() if pickles(value)}
 
 
 _travelling_key = pytest.StashKey[dict[str, tuple[dict[str, Any], dict[str, Any]]]]()
@@ -236,7 +236,8 @@ def _picklable_once(config: pytest.Config, kind: str, values: dict[str, Any]) ->
     return found
 
 
-def _pickles(value: Any) -> bool:
+def pickles(value: Any) -> bool:
+    """Whether `value` pickles (it can travel to a rank)."""
     try:
         pickle.dumps(value)
     except Exception:

@@ -256,6 +256,16 @@ class TestNonDaemonicExit(DistributedTest):
             sys.exit(0)
 
 
+@pytest.fixture
+def lock():
+    return threading.Lock()
+
+
+class TestUnpicklableFixture(DistributedTest):
+    def test_gets_a_lock(self, lock):
+        pass
+
+
 class TestCclBackend(DistributedTest):
     def test_sets_a_backend_up_once_per_process(self):
         import deepspeed.comm.comm as comm_state
@@ -281,7 +291,7 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
     ds.makepyfile(test_ds=FAILING)
     warned = ("-W", "always::harness.RanksReplacedWarning")
     result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs", *warned)
-    result.assert_outcomes(passed=2, failed=5)
+    result.assert_outcomes(passed=2, failed=6)
     result.stdout.fnmatch_lines_random(
         [
             "rank 1 failed: raised AssertionError: assert [[]1, 2[]] == [[]1, 3[]]; rank 0 *",
@@ -292,6 +302,8 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
             "*threading.py*in wait*",
             "harness: not adopted, runs as before: test_ds.TestOwnLaunch: TestOwnLaunch "
             "overrides _launch_procs",
+            "*TestUnpicklableFixture: the test instance cannot be sent to its ranks (fixture "
+            "values that cannot: lock): TypeError: *DeepSpeed's own pool pickles it too*",
             "*RanksReplacedWarning: *set DeepSpeed's ccl backend up (its native side keeps its "
             "first communicator*the ranks are replaced for the next test*",
         ]
