@@ -197,7 +197,7 @@ def selection(python: str, src: Path) -> list[str]:
 def failing(python: str, src: Path) -> list[str]:
     """Each deliberately failing test in a session of its own, as it is and adopted."""
     with tempfile.TemporaryDirectory(prefix="bench-ds-failing-") as tmp:
-        tests = _tests_beside(src, Path(tmp))
+        tests = tests_beside(src, Path(tmp))
         (tests / "unit" / "test_failing_on_purpose.py").write_text(textwrap.dedent(FAILING_TESTS))
         rows = []
         for name, what in FAILING.items():
@@ -216,7 +216,7 @@ def failing(python: str, src: Path) -> list[str]:
     ]
 
 
-def _tests_beside(src: Path, where: Path) -> Path:
+def tests_beside(src: Path, where: Path) -> Path:
     """A tests/ folder beside none of the checkout's files but its test base: its conftest,
     pytest.ini and unit/{__init__,common,util,simple_model}.py (the checkout stays as it
     is)."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from benchmarks.adopt_deepspeed import FAILING_TESTS, tests_beside
 
 SRC = os.environ.get("DEEPSPEED_SRC", "")
 pytestmark = [
@@ -87,48 +88,19 @@ def test_what_passes_as_it_is_passes_adopted() -> None:
     assert was and was == now, (as_it_is.stdout[-3000:], adopted.stdout[-3000:])
 
 
-FAILING = """
-import sys
-import torch
-import deepspeed.comm as dist
-from unit.common import DistributedTest
-
-
-class TestAssertWhilePeerWaits(DistributedTest):
-    world_size = 2
-
-    def test(self):
-        if dist.get_rank() == 1:
-            assert dist.get_rank() == 0, "rank 1's own assertion"
-        dist.all_reduce(torch.ones(1))
-
-
-class TestExitOnOneRank(DistributedTest):
-    world_size = 2
-    non_daemonic_procs = True
-
-    def test(self):
-        if dist.get_rank() == 1:
-            sys.exit(0)
-"""
-
-
 def test_deepspeed_failures_get_the_harness_verdicts(tmp_path: Path) -> None:
     """DeepSpeed's base itself, beside the checkout (its conftest, pytest.ini, unit/common.py
     and helpers copied; deepspeed from the checkout): rank 1's assertion is the root cause at
     once (as it is: a 600 s wait, then its teardown blamed), and sys.exit(0) on rank 1 under
     non_daemonic_procs fails naming it (as it is: a pass)."""
-    tests = tmp_path / "tests"
-    (tests / "unit").mkdir(parents=True)
-    for name in ("conftest.py", "pytest.ini"):
-        shutil.copy(Path(SRC) / "tests" / name, tests / name)
-    for name in ("__init__.py", "common.py", "util.py", "simple_model.py"):
-        shutil.copy(Path(SRC) / "tests" / "unit" / name, tests / "unit" / name)
-    (tests / "unit" / "test_failing.py").write_text(textwrap.dedent(FAILING))
+    tests = tests_beside(Path(SRC), tmp_path)  # the benchmark's failing tests, two of them
+    (tests / "unit" / "test_failing.py").write_text(textwrap.dedent(FAILING_TESTS))
+    chosen = [f"unit/test_failing.py::{name}" for name in ("TestAssertWhilePeerWaits",
+                                                           "TestExitNonDaemonic")]  # fmt: skip
     os.environ["PYTHONPATH"] = SRC  # deepspeed from the checkout, as its conftest has it
     try:
         adopt = ("-p", "harness", "--rank-adopt", "deepspeed")
-        result = _session(tests, *adopt, "unit/test_failing.py", timeout=300)
+        result = _session(tests, *adopt, *chosen, timeout=300)
     finally:
         del os.environ["PYTHONPATH"]
     out = result.stdout
