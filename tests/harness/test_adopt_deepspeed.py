@@ -108,13 +108,6 @@ class TestNoDistEnv(DistributedTest):
         assert os.environ["LOCAL_SIZE"] == "2"  # _dist_run would set it to the world size, 1
 
 
-class TestPreloaded(DistributedTest):
-    def test_deepspeed_came_with_the_fork(self):
-        import deepspeed  # from the checkout, imported once by the fork server
-
-        assert deepspeed.IMPORTED_IN != os.getpid()
-
-
 class TestReuse(DistributedTest):
     reuse_dist_env = True
 
@@ -207,7 +200,7 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     back between tests on the same ranks, and an op JIT-built once in the pytest process."""
     ds.makepyfile(test_ds=PASSING)
     result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs", "-v")
-    result.assert_outcomes(passed=18, skipped=3)
+    result.assert_outcomes(passed=17, skipped=3)
     result.stdout.fnmatch_lines_random(
         [
             # where the ranks skipped; DeepSpeed's own skip, where the test is
@@ -220,6 +213,28 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     result.stdout.no_fnmatch_line("*not adopted*")
     builds = Path(os.environ["BUILD_LOG"]).read_text().split()
     assert builds == [str(os.getpid())] * 2  # each op built once, here, and never in a rank
+
+
+PRELOADED = """
+import os
+from ds_common import DistributedTest
+
+
+class TestPreloaded(DistributedTest):
+    def test_deepspeed_came_with_the_fork(self):
+        import deepspeed  # from the checkout, imported once by the fork server
+
+        assert deepspeed.IMPORTED_IN != os.getpid()
+"""
+
+
+def test_deepspeed_from_a_checkout_is_preloaded(ds: pytest.Pytester) -> None:
+    """deepspeed imported from a checkout (not installed, not the project's) is imported
+    once by the ranks' fork server, not by each rank. In a process of its own: in-process
+    runs share this process's fork server, started for other tests."""
+    ds.makepyfile(test_ds=PRELOADED)
+    result = ds.runpytest_subprocess("-p", "harness", "--rank-adopt", "deepspeed", timeout=300)
+    result.assert_outcomes(passed=1)
 
 
 FAILING = """
