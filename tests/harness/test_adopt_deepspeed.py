@@ -346,8 +346,8 @@ def test_what_passes_as_it_is_passes_adopted(ds: pytest.Pytester) -> None:
     select = ("-k", "not TestState and not TestBuildsOnce", "-rs", "-p", "no:cacheprovider")
     as_it_is = ds.runpytest_subprocess("-p", "harness", *select, timeout=600)
     adopted = ds.runpytest_subprocess("-p", "harness", "--rank-adopt", "deepspeed", *select)
-    as_it_is.assert_outcomes(passed=11, skipped=3, deselected=5)
-    adopted.assert_outcomes(passed=11, skipped=3, deselected=5)
+    as_it_is.assert_outcomes(passed=12, skipped=3, deselected=5)
+    adopted.assert_outcomes(passed=12, skipped=3, deselected=5)
     skips = sorted(line for line in as_it_is.outlines if line.startswith("SKIPPED"))
     assert len(skips) == 3
     for line in skips:  # the same reasons (their places differ: the base's code, the test)
