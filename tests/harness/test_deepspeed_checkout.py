@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.adopt_deepspeed import FAILING_TESTS, tests_beside
+from benchmarks import adopt_deepspeed as bench  # its tests_beside is no test of ours
 
 SRC = os.environ.get("DEEPSPEED_SRC", "")
 pytestmark = [
@@ -93,8 +93,8 @@ def test_deepspeed_failures_get_the_harness_verdicts(tmp_path: Path) -> None:
     and helpers copied; deepspeed from the checkout): rank 1's assertion is the root cause at
     once (as it is: a 600 s wait, then its teardown blamed), and sys.exit(0) on rank 1 under
     non_daemonic_procs fails naming it (as it is: a pass)."""
-    tests = tests_beside(Path(SRC), tmp_path)  # the benchmark's failing tests, two of them
-    (tests / "unit" / "test_failing.py").write_text(textwrap.dedent(FAILING_TESTS))
+    tests = bench.tests_beside(Path(SRC), tmp_path)  # the benchmark's failing tests, two of them
+    (tests / "unit" / "test_failing.py").write_text(textwrap.dedent(bench.FAILING_TESTS))
     chosen = [f"unit/test_failing.py::{name}" for name in ("TestAssertWhilePeerWaits",
                                                            "TestExitNonDaemonic")]  # fmt: skip
     os.environ["PYTHONPATH"] = SRC  # deepspeed from the checkout, as its conftest has it
