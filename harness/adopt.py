@@ -216,10 +216,17 @@ FOREIGN_BASES = (("DistributedExec", ("_launch_procs", "_dist_run"), DEEPSPEED_N
 
 def _foreign_base(cls: type) -> str | None:
     """Why `cls` runs as it is, if it derives from another project's multi-rank base."""
+    for name, parts, why in FOREIGN_BASES:
+        if base_named(cls, name, parts) is not None:
+            return why
+    return None
+
+
+def base_named(cls: type, name: str, parts: tuple[str, ...]) -> type | None:
+    """The class among `cls`'s bases (itself included) called `name` that has `parts`."""
     for owner in cls.__mro__:
-        for name, parts, why in FOREIGN_BASES:
-            if owner.__name__ == name and all(callable(getattr(owner, p, None)) for p in parts):
-                return why
+        if owner.__name__ == name and all(callable(getattr(owner, p, None)) for p in parts):
+            return owner
     return None
 
 

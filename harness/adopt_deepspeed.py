@@ -135,12 +135,7 @@ def _exec_classes(item: pytest.Item) -> list[type]:
 
 def find_base(cls: type) -> type | None:
     """DeepSpeed's DistributedExec among `cls`'s bases, known by its name and its launch."""
-    for owner in cls.__mro__:
-        if owner.__name__ == BASE and all(
-            callable(getattr(owner, p, None)) for p in ("_launch_procs", "_dist_run")
-        ):
-            return owner
-    return None
+    return adopt.base_named(cls, BASE, ("_launch_procs", "_dist_run"))
 
 
 def why_base_differs(base: type) -> str | None:
