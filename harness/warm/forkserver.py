@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 from harness.common import reaper
 from harness.common.protocol import SERVER_DIR as PRELOAD_DIR
 from harness.warm.preload import PreloadPlan
+from harness.warm.start_watch import StartWatch
 
 # Imported by the server before its first fork: every rank starts with them loaded.
 SERVER_PRELOAD = [
@@ -35,8 +36,9 @@ SERVER_PRELOAD = [
 ]
 
 
-# How long the server may take to import torch and the worker before it starts preloading:
-# a safety net (it takes seconds), as a pool's own start bound is.
+# How long the server may take to import what the session asks once it has started:
+# a safety net, where no list is asked (its import of torch and the worker before it is
+# bounded on time without progress, as a pool's start is: start_watch.py).
 SERVER_START_S = 120.0
 
 
@@ -135,8 +137,22 @@ def context(
     else:
         return ctx, None
     pid = _server_pid()
-    _wait_for(directory / "started", pid, directory, SERVER_START_S, "")
-    _wait_for(directory / "done", pid, directory, plan.bound_s, " (--rank-import-timeout)")
+    watch = StartWatch()
+    _wait_for(
+        directory / "started",
+        pid,
+        directory,
+        lambda: watch.expired([pid or 0]),
+        lambda: f", with {watch.account(pid or 0)}",
+    )
+    deadline = time.monotonic() + plan.bound_s
+    _wait_for(
+        directory / "done",
+        pid,
+        directory,
+        lambda: time.monotonic() >= deadline,
+        lambda: f" after {plan.bound_s:g} s (--rank-import-timeout)",
+    )
     found = _report(directory)
     if found.cuda:
         _kill_server()  # its forks could not use CUDA; multiprocessing starts a plain one
@@ -234,12 +250,18 @@ def _hand_over(directory: Path, plan: PreloadPlan) -> None:
     partial.rename(directory / "modules")
 
 
-def _wait_for(path: Path, pid: int | None, directory: Path, bound_s: float, which: str) -> None:
-    """Wait until the server writes `path`; raise if it dies first or after `bound_s`."""
-    deadline = time.monotonic() + bound_s
+def _wait_for(
+    path: Path,
+    pid: int | None,
+    directory: Path,
+    expired: Callable[[], bool],
+    bound: Callable[[], str],
+) -> None:
+    """Wait until the server writes `path`; raise if it dies first or once `expired` (what
+    `bound` then says)."""
     while not path.exists():
         alive = pid is not None and reaper.alive(pid)
-        if alive and time.monotonic() < deadline:
+        if alive and not expired():
             time.sleep(0.01)
             continue
         importing = _read(directory / "at")
@@ -252,7 +274,7 @@ def _wait_for(path: Path, pid: int | None, directory: Path, bound_s: float, whic
         # threads still exit is not yet reapable, and multiprocessing would take it for
         # running and send the next rank to it.
         _kill_server()
-        what = f"was still {doing} after {bound_s:g} s{which}" if alive else f"died {doing}"
+        what = f"was still {doing}{bound()}" if alive else f"died {doing}"
         raise ServerStartError(
             f"the fork server {what}; its output:\n{_read(directory / 'output')}\n"
             f"Run with --rank-preload none to have each rank import them itself."

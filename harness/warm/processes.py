@@ -15,7 +15,6 @@ import select
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +38,12 @@ from harness.common.protocol import (
 )
 from harness.warm.live_output import LiveStreams, RunOutput, tail
 from harness.warm.run_loop import Cut, RunLoop
+from harness.warm.start_watch import CHECK_S, StartWatch
 
-# How long a pool may take to start (spawn imports torch once per rank).
-START_TIMEOUT_S = 120.0
+_STUCK_START_HINT = {
+    "forkserver": "A fork stuck at its start often waits on a lock that a thread of the fork "
+    "server held (a preloaded import's thread): try --rank-preload none. ",
+}
 
 
 class PoolStartError(HarnessError):
@@ -197,14 +199,16 @@ class Pool:
             raise
 
     def _await_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for slot in self.slots:
-            remaining = deadline - time.monotonic()
-            if not slot.conn.poll(max(0.0, remaining)):
-                raise PoolStartError(
-                    f"rank {slot.rank} did not start within {START_TIMEOUT_S:.0f} s "
-                    f"({self.key.start_method}); its output:\n{slot.read_output()}"
-                )
+        watch = StartWatch()  # a safety net for a stuck start, not a bound on a slow one
+        for index, slot in enumerate(self.slots):
+            while not slot.conn.poll(CHECK_S):
+                if watch.expired(s.pid for s in self.slots[index:]):
+                    raise PoolStartError(
+                        f"rank {slot.rank} did not start ({self.key.start_method}): "
+                        f"{watch.account(slot.pid)}; its output:\n{slot.read_output()}\n"
+                        f"{_STUCK_START_HINT.get(self.key.start_method, '')}"
+                        f"See where it waits with: py-spy dump --pid {slot.pid}"
+                    )
             try:
                 message = slot.conn.recv()
             except EOFError:

@@ -284,6 +284,103 @@ def test_other_start_methods(pytester: pytest.Pytester, method: str) -> None:
     result.assert_outcomes(passed=1)
 
 
+# ---- a pool's start: bounded on time without progress, not on time ---------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_start_that_uses_cpu_is_given_more_time_up_to_the_cap() -> None:
+    from harness.warm import start_watch
+
+    clock, used = _Clock(), {7: 0.0}
+    watch = start_watch.StartWatch(clock, lambda pid: (used[pid], "R"))
+    for _ in range(5):  # a busy runner: 100 s apart, a little CPU each time
+        clock.now += 100.0
+        used[7] += 0.5
+        assert not watch.expired([7])
+    clock.now = start_watch.START_CAP_S
+    used[7] += 0.5
+    assert watch.expired([7])
+    assert "still starting after 600 s" in watch.account(7)
+    assert "pid 7, running, 3.00 s of CPU" in watch.account(7)
+
+
+def test_a_start_without_progress_is_cut_at_the_bound() -> None:
+    from harness.warm import start_watch
+
+    clock = _Clock()
+    watch = start_watch.StartWatch(clock, lambda pid: (0.25, "S"))
+    clock.now = 1.0
+    assert not watch.expired([7, 8])  # their first CPU seen: progress
+    clock.now = start_watch.NO_PROGRESS_S
+    assert not watch.expired([7, 8])
+    clock.now = 1.0 + start_watch.NO_PROGRESS_S
+    assert watch.expired([7, 8])
+    assert "no progress for 120 s (pid 8, sleeping, 0.25 s of CPU; 121 s" in (watch.account(8))
+
+
+# A rank's start replaced (fork: the ranks are forks of the pytest process, which the
+# conftest patched): stuck on a lock, or busy past the no-progress bound and then ready.
+START_CONFTEST = """
+import threading, time
+from harness.rank import worker
+from harness.warm import start_watch
+
+start_watch.NO_PROGRESS_S = 3.0
+start_watch.CHECK_S = 0.1
+bootstrap = worker._bootstrap
+
+def stuck(files):
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # held, and no one will release it: the rank sleeps
+
+def busy(files):
+    end = time.process_time() + 2 * start_watch.NO_PROGRESS_S
+    while time.process_time() < end:
+        pass
+    return bootstrap(files)
+
+worker._bootstrap = {start}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["stuck", "busy"])
+def test_a_stuck_rank_start_is_cut_and_a_busy_one_is_waited_for(
+    pytester: pytest.Pytester, start: str
+) -> None:
+    pytester.makeconftest(START_CONFTEST.format(start=start))
+    pytester.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(2)
+        def test_sum():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "harness", "--rank-start-method", "fork")
+    if start == "busy":
+        result.assert_outcomes(passed=1)
+        return
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 0 did not start (fork): no progress for 3 s (pid *, sleeping, *",
+            "*py-spy dump --pid *",
+        ]
+    )
+
+
 # ---- the harness's own set-up of a rank ------------------------------------------------------
 
 SETUP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"  # the first N set-ups fail on rank 1 (tests only)
