@@ -29,13 +29,13 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from harness import adopt, packing, runner
+from harness import adopt, build_lock, packing, runner, shared_memory
 from harness.common.errors import SpecError
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
@@ -63,7 +63,7 @@ class _Session:
     why_not: dict[type, str | None] = field(default_factory=dict)  # class -> why not adopted
     patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # base -> original
     extensions_ready: bool = False
-    ops_built: set[str] = field(default_factory=set)  # JIT ops built (or found) here
+    ops_built: dict[str, str] = field(default_factory=dict)  # JIT op -> the file loaded here
 
 
 _session_key = pytest.StashKey[_Session]()
@@ -225,23 +225,23 @@ def run_world(exec_: Any, item: pytest.Item, num_procs: int, store_dir: str) -> 
     _picklable(exec_)
     spec = adopt.adopted_spec(item, num_procs, timeout=_timeout(item, exec_))
     deepspeed = sys.modules.get("deepspeed")
-    args = (
-        packing.function_target(type(exec_)),
-        exec_,
-        num_procs,
-        _free_port(),
-        store_dir,
-        getattr(deepspeed, "__file__", None),
-    )
     session = _session(item.config)
-    with runner.pytest_timeout_paused(item):
+    with runner.pytest_timeout_paused(item), _held_port() as port:
+        args = (
+            packing.function_target(type(exec_)),
+            exec_,
+            num_procs,
+            port,
+            store_dir,
+            getattr(deepspeed, "__file__", None),
+        )
         outcomes = _run(item, spec, args, session.ops_built)
         for _ in range(MAX_BUILDS):  # each op a test asks for is built once, then it runs again
             asked = builders_asked(outcomes)
             if not asked:
                 break
             for builder in asked:
-                session.ops_built.add(_build(item.config, builder))
+                session.ops_built.update([_build(item.config, builder)])
             outcomes = _run(item, spec, args, session.ops_built)
     runner.after_body(item, spec, outcomes)
 
@@ -252,16 +252,19 @@ _BUILDER = re.compile(r"\(([\w.]+:[\w.]+)\)")
 
 
 def _run(
-    item: pytest.Item, spec: RankSpec, args: tuple[Any, ...], built: set[str]
+    item: pytest.Item, spec: RankSpec, args: tuple[Any, ...], built: dict[str, str]
 ) -> list[RankOutcome]:
     """The ranks' run on a new file store (in args' store folder), told which JIT ops are
-    built (run_exec's last argument)."""
+    built and where (run_exec's last argument)."""
     target, exec_, num_procs, port, store_dir, deepspeed_file = args
     fd, store = tempfile.mkstemp(dir=store_dir, suffix="_filestore")
     os.close(fd)
     run_args = (target, exec_, num_procs, port, f"file://{store}", deepspeed_file)
     entry = adopted_deepspeed.run_exec
-    return adopt.run_adopted(item, spec, entry, (*run_args, tuple(sorted(built))))
+    try:
+        return adopt.run_adopted(item, spec, entry, (*run_args, tuple(sorted(built.items()))))
+    finally:
+        shared_memory.remove_deepspeed_buffers(port)
 
 
 def builders_asked(outcomes: list[RankOutcome]) -> list[str]:
@@ -274,9 +277,10 @@ def builders_asked(outcomes: list[RankOutcome]) -> list[str]:
     return asked
 
 
-def _build(config: pytest.Config, builder: str) -> str:
+def _build(config: pytest.Config, builder: str) -> tuple[str, str]:
     """JIT-build one DeepSpeed op here, once (torch's cache keeps it for every rank); its
-    name. In torch's cache already (this copy of DeepSpeed, these flags), it only loads."""
+    name and the file it was loaded from. In torch's cache already (this copy of DeepSpeed,
+    these flags), it only loads."""
     module_name, _, qualname = builder.partition(":")
     start = time.monotonic()
     try:
@@ -284,8 +288,11 @@ def _build(config: pytest.Config, builder: str) -> str:
         for part in qualname.split("."):
             found = getattr(found, part)
         op = found()
+        build_lock.wait_for_build_lock(str(op.name))
         with contextlib.redirect_stdout(sys.stderr):
-            op.load()
+            loaded = op.load()
+    except SpecError:
+        raise
     except Exception as exc:
         raise SpecError(
             f"building DeepSpeed's {qualname} op for the ranks failed: {type(exc).__name__}: "
@@ -293,7 +300,13 @@ def _build(config: pytest.Config, builder: str) -> str:
             f"{qualname}().load()') and read its compiler output"
         ) from None
     _said(config, f"built DeepSpeed's {qualname} op once for the session's ranks", start)
-    return str(op.name)
+    return str(op.name), _file_of(loaded)
+
+
+def _file_of(module: Any) -> str:
+    """The file a loaded op came from, for the ranks to import it from ("" if none)."""
+    found = getattr(module, "__file__", None)
+    return found if isinstance(found, str) and os.path.isfile(found) else ""
 
 
 def _said(config: pytest.Config, what: str, start: float) -> None:
@@ -328,12 +341,15 @@ def _picklable(exec_: Any) -> None:
         ) from None
 
 
-def _free_port() -> str:
-    """A port for MASTER_PORT (DeepSpeed's ranks rendezvous over the file store; the port is
-    only what they see in their environment), on loopback."""
+@contextlib.contextmanager
+def _held_port() -> Iterator[str]:
+    """A port for MASTER_PORT, held (bound on loopback) while the test runs. DeepSpeed's ranks
+    rendezvous over the file store, so the port is only what they see in their environment;
+    but its shared-memory all-reduce names its buffers after it: two runs at once (xdist,
+    two sessions) with the same port would write into each other's."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        yield str(s.getsockname()[1])
 
 
 def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
@@ -348,8 +364,12 @@ def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
     if accelerator.device_name() != "cpu" or build is None:
         return
     start = time.monotonic()
+    builder = accelerator.create_op_builder(SHM_BUILDER)
+    name = "" if builder is None else str(builder.name)
+    if name:
+        build_lock.wait_for_build_lock(name)
     with contextlib.redirect_stdout(sys.stderr):  # its "built successfully" line
         built = build()
     if built is not None:  # None: not compatible here, and the ranks do not build it either
-        session.ops_built.add(str(accelerator.create_op_builder(SHM_BUILDER).name))
+        session.ops_built[name] = _file_of(built)
     _said(config, f"built DeepSpeed's {SHM_BUILDER} op once for the session's ranks", start)

@@ -13,6 +13,7 @@ ranks replaced. Runs only in ranks; imports no torch until it runs.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,19 +55,29 @@ class ExtensionNotBuilt(RuntimeError):
 
 
 @contextlib.contextmanager
-def _no_build_in_ranks(ready: tuple[str, ...], unbuilt: list[ExtensionNotBuilt]) -> Iterator[None]:
-    """A JIT build in a rank would take minutes under the test's bound, and each rank would
-    wait on torch's build lock: an op the pytest process has not built (or found built) in
-    this session is raised as ExtensionNotBuilt instead. (A build in torch's cache may be
+def _no_build_in_ranks(ready: dict[str, str], unbuilt: list[ExtensionNotBuilt]) -> Iterator[None]:
+    """A JIT build in a rank would take minutes under the test's bound: an op the pytest
+    process has not built (or found built) in this session is raised as ExtensionNotBuilt
+    instead. One it has is imported from the file the pytest process loaded (`ready`: name
+    -> path), not through torch's load: that takes a lock file in the build folder to run
+    ninja's check, and a rank killed while holding it (a test cut at its bound) left every
+    later load, in any session, waiting on it for ever. (A build in torch's cache may be
     another copy's: torch rebuilds it when the sources' paths or flags differ.)"""
     originals: dict[type, Any] = {base: vars(base)["jit_load"] for base in _op_builders()}
 
     def jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(self.name) not in ready:
+        name = str(self.name)
+        if name not in ready:
             unbuilt.append(ExtensionNotBuilt(type(self)))
             raise unbuilt[-1]
         owner = next(base for base in type(self).__mro__ if base in originals)
-        return originals[owner](self, *args, **kwargs)
+        if not ready[name]:  # the pytest process's load gave no file: torch's own way
+            return originals[owner](self, *args, **kwargs)
+        module = _import_built(name, ready[name])
+        loaded = vars(owner).get("_loaded_ops")
+        if isinstance(loaded, dict):  # as DeepSpeed's jit_load keeps it for the next load
+            loaded[name] = module
+        return module
 
     for base in originals:
         base.jit_load = jit_load  # type: ignore[attr-defined]
@@ -75,6 +86,16 @@ def _no_build_in_ranks(ready: tuple[str, ...], unbuilt: list[ExtensionNotBuilt])
     finally:
         for base, original in originals.items():
             base.jit_load = original  # type: ignore[attr-defined]
+
+
+def _import_built(name: str, path: str) -> ModuleType:
+    """The built op at `path` imported as torch's load imports it once built."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"DeepSpeed's {name} op: no module at {path}, where it was built")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _op_builders() -> list[type]:
@@ -105,13 +126,14 @@ def run_exec(
     master_port: str,
     init_method: str,
     deepspeed_file: str | None,
-    ready_ops: tuple[str, ...],
+    ready_ops: tuple[tuple[str, str], ...],
     *,
     rank: int,
 ) -> None:
     """Run one world size of a DeepSpeed test (or DistributedFixture) on this rank, as
     DeepSpeed's pool worker runs it; a skip on this rank is a skip. `ready_ops`: the JIT
-    ops the pytest process has built this session (any other raises ExtensionNotBuilt)."""
+    ops the pytest process has built this session and the files it loaded them from ("" if
+    none); any other raises ExtensionNotBuilt."""
     _same_deepspeed(deepspeed_file)
     __tracebackhide__ = True
     kept = State.taken()
@@ -119,7 +141,7 @@ def run_exec(
     exec_.run = _noting_skips(exec_.run, skips)  # the instance's: its class's stays
     unbuilt: list[ExtensionNotBuilt] = []
     try:
-        with _no_build_in_ranks(ready_ops, unbuilt):
+        with _no_build_in_ranks(dict(ready_ops), unbuilt):
             skipped = _dist_run(exec_, rank, num_procs, master_port, init_method)
             exec_._dist_destroy()  # DeepSpeed's pool does this on every rank after each test
     except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,11 @@ def deepspeed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def ds(inner: pytest.Pytester, tmp_path: Path, deepspeed_path: Path) -> pytest.Pytester:
+def ds(inner: pytest.Pytester, tmp_path: Path, deepspeed_path: Path) -> Iterator[pytest.Pytester]:
     """A pytester directory holding the DeepSpeed-like base and its conftest (which puts the
     package's checkout on sys.path), with two CPU "devices" (DeepSpeed's LOCAL_SIZE) and a
-    private extension cache."""
+    private extension cache. The shared-memory buffers its runs made are gone after it (as
+    they are, DeepSpeed's runs leave theirs)."""
     shutil.copy(LIKE / "ds_common.py", inner.path)
     shutil.copy(LIKE / "conftest.py", inner.path)
     os.environ["DEEPSPEED_LIKE_CHECKOUT"] = str(deepspeed_path)
@@ -35,7 +37,16 @@ def ds(inner: pytest.Pytester, tmp_path: Path, deepspeed_path: Path) -> pytest.P
     os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "extensions")
     os.environ["BUILD_LOG"] = str(tmp_path / "builds.log")
     os.environ["STATE_DIR"] = str(tmp_path)
-    return inner
+    os.environ["SHM_LOG"] = str(tmp_path / "shm.log")
+    yield inner
+    for name in _shm_made():
+        Path(name).unlink(missing_ok=True)
+
+
+def _shm_made() -> list[str]:
+    """The shared-memory buffers the DeepSpeed-like op made (deepspeed/comm/shm.py)."""
+    log = Path(os.environ["SHM_LOG"])
+    return log.read_text().split() if log.exists() else []
 
 
 PASSING = """
@@ -213,6 +224,75 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     result.stdout.no_fnmatch_line("*not adopted*")
     builds = Path(os.environ["BUILD_LOG"]).read_text().split()
     assert builds == [str(os.getpid())] * 2  # each op built once, here, and never in a rank
+
+
+OPS_AND_BUFFERS = """
+import os, torch
+import deepspeed.comm as dist
+from torch.utils import cpp_extension
+from deepspeed.ops.op_builder import TinyAdamBuilder
+from ds_common import DistributedTest
+
+
+class TestOps(DistributedTest):
+    def test_loads(self):
+        dist.all_reduce(torch.ones(1))
+        assert TinyAdamBuilder().load().NAME == "tiny_adam"
+
+    def test_loads_past_a_build_killed_midway(self):
+        folder = cpp_extension._get_build_directory("tiny_adam", verbose=False)
+        open(os.path.join(folder, "lock"), "w").close()  # as a load killed in its check leaves
+        assert TinyAdamBuilder().load().NAME == "tiny_adam"
+"""
+
+
+def test_a_rank_imports_the_built_op_past_torchs_lock_and_leaves_no_shared_memory(
+    ds: pytest.Pytester,
+) -> None:
+    """A rank imports an op the pytest process built from the file it loaded, without
+    torch's lock file: a rank killed in torch's check left that file, and every later load
+    waited on it for ever. DeepSpeed's shared-memory all-reduce buffers (made once per rank
+    process, never unlinked: 66 MB each in /dev/shm) are gone when the test's ranks are done."""
+    ds.makepyfile(test_ops=OPS_AND_BUFFERS)
+    result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "--rank-timeout", "20")
+    result.assert_outcomes(passed=2)
+    made = _shm_made()
+    assert len(made) == 2  # one a rank, the first time: the second test ran on the same ranks
+    assert [name for name in made if os.path.exists(name)] == []
+
+
+LOADS_AN_OP = """
+from deepspeed.ops.op_builder import TinyAdamBuilder
+from ds_common import DistributedTest
+
+
+class TestOp(DistributedTest):
+    def test_loads(self):
+        TinyAdamBuilder().load()
+
+    def test_loads_again(self):
+        TinyAdamBuilder().load()
+"""
+
+
+def test_a_build_lock_left_over_fails_the_tests_saying_so_not_a_wait_for_ever(
+    ds: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's lock file in an op's build folder, left by a build killed midway, with no
+    process working there: torch would wait on it for ever; the harness waits its bound
+    (one test), says what to remove, and fails the next test at once."""
+    from harness import build_lock
+
+    monkeypatch.setattr(build_lock, "STALE_S", 1.0)
+    lock = build_lock.build_folder("tiny_adam") / "lock"
+    lock.touch()
+    ds.makepyfile(test_op=LOADS_AN_OP)
+    result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "--rank-timeout", "60")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [f"*torch's build lock {lock} is held and no process has worked in * for 1 s*"] * 2
+    )
+    assert not Path(os.environ["BUILD_LOG"]).exists()  # never built past the lock
 
 
 PRELOADED = """

@@ -1,6 +1,7 @@
 """deepspeed.comm's module state: the backend (cdb) that init_distributed sets."""
 
 import torch.distributed as td
+from deepspeed.comm import shm
 
 cdb = None
 comms_logger_calls = []
@@ -11,6 +12,7 @@ class TorchBackend:
 
     def __init__(self, backend, init_method, rank, world_size):
         td.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        shm.initialize(world_size, rank)
 
 
 def init_distributed(dist_backend=None, init_method=None, rank=-1, world_size=-1):
