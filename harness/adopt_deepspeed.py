@@ -346,8 +346,11 @@ def _held_port() -> Iterator[str]:
     """A port for MASTER_PORT, held (bound on loopback) while the test runs. DeepSpeed's ranks
     rendezvous over the file store, so the port is only what they see in their environment;
     but its shared-memory all-reduce names its buffers after it: two runs at once (xdist,
-    two sessions) with the same port would write into each other's."""
+    two sessions) with the same port would write into each other's. Held with SO_REUSEADDR
+    and never listening, so a test whose own store binds it (env://) still can; a plain bind
+    elsewhere, a port picked by another process, cannot."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
         yield str(s.getsockname()[1])
 
