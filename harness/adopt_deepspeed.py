@@ -261,10 +261,8 @@ def _run(
     os.close(fd)
     run_args = (target, exec_, num_procs, port, f"file://{store}", deepspeed_file)
     entry = adopted_deepspeed.run_exec
-    try:
+    with shared_memory.buffers_removed_after(port):
         return adopt.run_adopted(item, spec, entry, (*run_args, tuple(sorted(built.items()))))
-    finally:
-        shared_memory.remove_deepspeed_buffers(port)
 
 
 def builders_asked(outcomes: list[RankOutcome]) -> list[str]:

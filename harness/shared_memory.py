@@ -6,17 +6,38 @@ the process sets up a group, and never unlinks it: it lives in /dev/shm (memory)
 machine restarts. As they are, DeepSpeed's tests reuse a few ports, so a few buffers are
 rewritten; warm ranks run each test on a port of its own, so each new rank process would
 leave one more. The names are removed once the test's ranks have returned: every rank has
-mapped its peers' buffers by then, and a mapping outlives its name.
+mapped its peers' buffers by then, and a mapping outlives its name; and when a signal ends the
+session mid-test (a cancelled CI job), with its ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "deepspeed_allreduce_buffer"
+
+_in_use: set[str] = set()  # the ports of the runs going on now
+
+
+@contextlib.contextmanager
+def buffers_removed_after(port: str) -> Iterator[None]:
+    """Run with MASTER_PORT `port`; its buffers are removed after, or by remove_in_use."""
+    _in_use.add(port)
+    try:
+        yield
+    finally:
+        remove_deepspeed_buffers(port)
+        _in_use.discard(port)
+
+
+def remove_in_use() -> None:
+    """The buffers of the runs going on now (the session is being ended by a signal)."""
+    for port in list(_in_use):
+        remove_deepspeed_buffers(port)
 
 
 def deepspeed_buffers(port: str) -> list[Path]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from harness import measured
+from harness import measured, shared_memory
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
@@ -244,6 +244,7 @@ class Pools:
         for pool in list(self._pools.values()):
             pool.close()
         reaper.remove_workdir(self._workdir)
+        shared_memory.remove_in_use()  # DeepSpeed's, named after a running test's port
 
 
 def _same_counts(outcomes: list[RankOutcome]) -> bool:

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.harness.conftest import wait_until
 
 LIKE = Path(__file__).parent / "deepspeed_like"
 
@@ -293,6 +298,43 @@ def test_a_build_lock_left_over_fails_the_tests_saying_so_not_a_wait_for_ever(
         [f"*torch's build lock {lock} is held and no process has worked in * for 1 s*"] * 2
     )
     assert not Path(os.environ["BUILD_LOG"]).exists()  # never built past the lock
+
+
+WAITS = """
+import os, threading
+from ds_common import DistributedTest
+
+
+class TestWaits(DistributedTest):
+    def test_waits(self):
+        open(os.path.join(os.environ["STATE_DIR"], f"started{os.environ['RANK']}"), "w").close()
+        threading.Event().wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_session_ended_by_sigterm_leaves_no_shared_memory(
+    ds: pytest.Pytester, tmp_path: Path
+) -> None:
+    """CI cancels with SIGTERM: the buffers of the test running then go with its ranks."""
+    ds.makepyfile(test_waits=WAITS)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "harness", "--rank-adopt", "deepspeed"],
+        cwd=ds.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        started = lambda: len(list(tmp_path.glob("started*"))) == 2  # noqa: E731
+        wait_until(started, 120, "both ranks to start the test")
+        assert len(_shm_made()) == 2 and all(os.path.exists(n) for n in _shm_made())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        assert [name for name in _shm_made() if os.path.exists(name)] == []
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 PRELOADED = """
