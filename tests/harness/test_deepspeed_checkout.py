@@ -57,6 +57,11 @@ def _session(tests: Path, *args: str, timeout: float = 1800) -> subprocess.Compl
     )
 
 
+def _shared_memory_buffers() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
+
+
 def _outcomes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
     """test id -> PASSED/FAILED/ERROR, and each skip's reason -> SKIPPED, from -rA's short
     summary (a skip's place differs: DeepSpeed's code as it is, the test adopted)."""
@@ -73,8 +78,11 @@ def _outcomes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
 def test_the_selection_passes_adopted() -> None:
     tests = Path(SRC) / "tests"
     adopt = ("-p", "harness", "--rank-adopt", "deepspeed")
+    before = _shared_memory_buffers()
     result = _session(tests, *adopt, "-k", NOT_ON_THIS_CPU, *SELECTION)
     tail = result.stdout[-4000:]
+    # DeepSpeed's all-reduce never unlinks its 66 MB buffers: each rank process's is removed
+    assert _shared_memory_buffers() - before == set(), tail
     assert result.returncode == 0, tail
     assert "not adopted" not in result.stdout, tail
     assert " passed" in tail and "failed" not in tail.splitlines()[-1], tail
