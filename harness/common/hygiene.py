@@ -30,6 +30,9 @@ class Snapshot:
     threads: frozenset[int]  # threading's threads, and every thread running Python
     env: dict[str, str]
     native_env: dict[bytes, bytes]  # the C library's (os.putenv, native code)
+    # threading's threads themselves: an ident is reused by the next thread started once its
+    # thread has ended, so a thread the test started may hold the ident of one before it.
+    objects: frozenset[threading.Thread] = frozenset()
 
 
 # A non-daemon thread the body started may run on until the test's own bound before it
@@ -43,8 +46,11 @@ HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never
 
 
 def before_test() -> Snapshot:
-    idents = {t.ident or 0 for t in threading.enumerate()} | sys._current_frames().keys()
-    return Snapshot(frozenset(idents), environment.variables(), environment.native())
+    listed = threading.enumerate()
+    idents = {t.ident or 0 for t in listed} | sys._current_frames().keys()
+    return Snapshot(
+        frozenset(idents), environment.variables(), environment.native(), frozenset(listed)
+    )
 
 
 def findings(
@@ -168,9 +174,7 @@ def _started_since(before: Snapshot) -> list[threading.Thread]:
     return [
         t
         for t in threading.enumerate()
-        if t.is_alive()
-        and (t.ident or 0) not in before.threads
-        and not t.name.startswith(HARNESS_THREADS)
+        if t.is_alive() and t not in before.objects and not t.name.startswith(HARNESS_THREADS)
     ]
 
 

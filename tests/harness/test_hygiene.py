@@ -207,3 +207,30 @@ def test_a_slow_thread_is_waited_for_until_the_tests_bound(
     finally:
         stuck.set()
         never.join()
+
+
+def test_a_thread_left_running_is_found_where_it_reuses_an_ended_threads_ident() -> None:
+    """A thread that ended during the test frees its ident, and the C library gives the next
+    thread the same one: compared by ident, the thread the test left was taken for one that
+    ran before it (rank_pool.run with a thread left: "DID NOT RAISE", now and then in CI)."""
+    import threading
+    import time
+
+    from harness.common import hygiene
+
+    ended, stop = threading.Event(), threading.Event()
+    before_it = threading.Thread(target=ended.wait, name="ends during the test")
+    before_it.start()
+    before = hygiene.before_test()
+    ended.set()
+    before_it.join()
+    left = threading.Thread(target=stop.wait, name="beat")
+    left.start()
+    try:
+        found = hygiene.findings(
+            before, frozenset({"threads"}), False, threads_until=time.monotonic()
+        )
+        assert "left non-daemon threads running: beat" in found.get("threads", "")
+    finally:
+        stop.set()
+        left.join()
