@@ -35,8 +35,23 @@ STATE_MODULES = (
     "deepspeed.accelerator.real_accelerator",
     "deepspeed.runtime.zero.partition_parameters",
 )
-# torch's functions zero.Init replaces while it is entered (put back if a test left them so).
-TORCH_PATCHED = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+# What zero.Init replaces outside DeepSpeed's modules ("module" or "module:Class" -> names):
+# F.linear and the layers' state-dict loading for good (memory_efficient_linear, quantized
+# initialization), the rest while it is entered. Each put back as it was before the test.
+TORCH_PATCHED = {
+    "torch": ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn"),
+    "torch.nn.functional": ("linear", "embedding"),
+    "torch:Tensor": ("__new__", "__old_new__"),
+    "torch.nn.modules.module:Module": (
+        "__init_subclass__",
+        "apply",
+        "_old_init_subclass",
+        "_old_apply",
+    ),
+    "torch.nn:Linear": ("_load_from_state_dict",),
+    "torch.nn:Embedding": ("_load_from_state_dict",),
+}
+_ABSENT = object()  # an attribute the owner's own namespace did not hold
 # Backends whose native side sets itself up once per process (oneCCL's and MPI's keep their
 # first communicator): a later test's init_distributed would silently reuse it.
 ONCE_PER_PROCESS = ("ccl", "mpi", "hccl")
@@ -191,32 +206,51 @@ def _same_deepspeed(expected: str | None) -> None:
 
 @dataclass
 class State:
-    """DeepSpeed's module globals (and torch's functions zero.Init replaces) as they were."""
+    """DeepSpeed's module globals, its classes' attributes there, and what zero.Init replaces
+    in torch, as they were."""
 
     modules: dict[str, tuple[ModuleType, dict[str, Any], dict[str, Any]]] = field(
         default_factory=dict
     )
-    torch_functions: dict[str, Any] = field(default_factory=dict)
+    classes: list[tuple[type, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    patched: list[tuple[Any, str, Any]] = field(default_factory=list)  # owner, name, value
 
     @classmethod
     def taken(cls) -> State:
         state = cls()
         for name in STATE_MODULES:
             module = sys.modules.get(name)
-            if module is not None:
-                values = dict(vars(module))
-                contents = {  # not __builtins__: a module's, shared by every module
-                    k: _copy(v) for k, v in values.items() if not k.startswith("__")
-                }
-                contents = {k: v for k, v in contents.items() if v is not None}
-                state.modules[name] = (module, values, contents)
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            state.torch_functions = {n: getattr(torch, n) for n in TORCH_PATCHED}
+            if module is None:
+                continue
+            values = dict(vars(module))
+            state.modules[name] = (module, values, _contents(values))
+            for value in values.values():  # the classes it defines: their counters, backups
+                if isinstance(value, type) and value.__module__ == name:
+                    own = dict(vars(value))
+                    state.classes.append((value, own, _contents(own)))
+        for owner, names in _torch_owners():
+            state.patched += [(owner, n, vars(owner).get(n, _ABSENT)) for n in names]
         return state
 
     def put_back(self) -> None:
-        """Every global as it was; a backend that cannot be set up again replaces the ranks."""
+        """Everything as it was; what cannot be set up again, or put back, replaces the
+        ranks (a backend set up once per process, zero.Init left entered)."""
+        self._replace_ranks_if_lasting()
+        for module, values, contents in self.modules.values():
+            now = vars(module)
+            for key in [k for k in now if k not in values and not k.startswith("__")]:
+                del now[key]
+            now.update(values)
+            for key, saved in contents.items():
+                _refill(values[key], saved)
+        for klass, own, contents in self.classes:
+            _set_back(klass, own)
+            for key, saved in contents.items():
+                _refill(own[key], saved)
+        for owner, name, value in self.patched:
+            _set_back(owner, {name: value}, only=(name,))
+
+    def _replace_ranks_if_lasting(self) -> None:
         from harness.rank import lasting
 
         comm = sys.modules.get("deepspeed.comm.comm")
@@ -227,16 +261,46 @@ class State:
                 f"set DeepSpeed's {name} backend up (its native side keeps its first "
                 f"communicator for the process's life)"
             )
-        for module, values, contents in self.modules.values():
-            now = vars(module)
-            for key in [k for k in now if k not in values and not k.startswith("__")]:
-                del now[key]
-            now.update(values)
-            for key, saved in contents.items():
-                _refill(values[key], saved)
-        torch = sys.modules.get("torch")
-        for fn_name, fn in self.torch_functions.items():
-            setattr(torch, fn_name, fn)
+        zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+        if getattr(zero, "zero_init_context", 0):  # DeepSpeed's count of Inits entered
+            lasting.replace_after_this_test(
+                "left DeepSpeed's zero.Init entered (every torch.nn.Module subclass's "
+                "__init__ replaced): use it as a context manager, with"
+            )
+
+
+def _torch_owners() -> list[tuple[Any, tuple[str, ...]]]:
+    """TORCH_PATCHED's owners that are imported, with their names."""
+    found = []
+    for where, names in TORCH_PATCHED.items():
+        module_name, _, class_name = where.partition(":")
+        owner = sys.modules.get(module_name)
+        if owner is not None and class_name:
+            owner = getattr(owner, class_name, None)
+        if owner is not None:
+            found.append((owner, names))
+    return found
+
+
+def _set_back(owner: Any, saved: dict[str, Any], only: tuple[str, ...] = ()) -> None:
+    """The owner's own attributes (`only` those, else all) as `saved` has them: those added
+    since removed, those replaced set back."""
+    now = vars(owner)
+    for name in only or [*now, *saved]:
+        before, after = saved.get(name, _ABSENT), now.get(name, _ABSENT)
+        if after is before:
+            continue
+        if before is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
+
+
+def _contents(values: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the dicts, lists and sets among `values` (not dunders: a module's
+    __builtins__ is every module's)."""
+    copies = {k: _copy(v) for k, v in values.items() if not k.startswith("__")}
+    return {k: v for k, v in copies.items() if v is not None}
 
 
 def _copy(value: Any) -> Any:

@@ -60,6 +60,10 @@ import deepspeed.comm as dist
 import deepspeed.comm.comm as comm_state
 from deepspeed.utils import groups
 from deepspeed.ops.op_builder import TinyAdamBuilder, TinyLionBuilder
+from deepspeed.runtime.zero import Init
+from deepspeed.runtime.zero.partition_parameters import _orig_torch_empty
+from torch import nn
+from torch.nn import functional as F
 from ds_common import DistributedTest, DistributedFixture
 
 
@@ -172,6 +176,9 @@ class TestStateSet(DistributedTest):
         groups._EXPERT_PARALLEL_GROUP["experts"] = "group"
         groups._WORLD_GROUP = "left behind"
         comm_state.comms_logger_calls.append("left behind")
+        Init(module=torch.nn.Linear(2, 2))  # F.linear replaced for good, as DeepSpeed's does
+        with Init(quantized=True):  # the layers' state-dict loading wrapped for good
+            torch.empty(1)
         with open(os.path.join(os.environ["STATE_DIR"], f"pid{dist.get_rank()}"), "w") as f:
             f.write(str(os.getpid()))
 
@@ -182,6 +189,12 @@ class TestStateSeen(DistributedTest):
             assert f.read() == str(os.getpid())  # the same warm rank
         assert groups._EXPERT_PARALLEL_GROUP == {} and groups._WORLD_GROUP is None
         assert comm_state.comms_logger_calls == [] and comm_state.cdb is not None
+        assert F.linear is torch._C._nn.linear and not hasattr(Init, "linear_bk")
+        assert Init.num_module_parameters == 0 and torch.empty is _orig_torch_empty
+        assert "__new__" not in vars(torch.Tensor) and "_old_apply" not in vars(nn.Module)
+        assert vars(nn.Module)["apply"].__module__ == "torch.nn.modules.module"
+        for layer in (nn.Linear, nn.Embedding):
+            assert layer._load_from_state_dict is nn.Module._load_from_state_dict
 
 
 class TestBuildsOnce(DistributedTest):
@@ -410,6 +423,13 @@ class TestCclBackend(DistributedTest):
         comm_state.cdb.name = "ccl"  # as DeepSpeed's CCLBackend names itself
 
 
+class TestZeroInitLeftEntered(DistributedTest):
+    def test_enters_and_never_exits(self):
+        from deepspeed.runtime.zero import Init
+
+        Init().__enter__()  # every torch.nn.Module subclass's __init__ replaced in DeepSpeed's
+
+
 class TestOwnLaunch(DistributedTest):
     def _launch_procs(self, num_procs, init_method):
         pass  # a class that launches its own way runs as it is
@@ -428,7 +448,7 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
     ds.makepyfile(test_ds=FAILING)
     warned = ("-W", "always::harness.RanksReplacedWarning")
     result = ds.runpytest("-p", "harness", "--rank-adopt", "deepspeed", "-rs", *warned)
-    result.assert_outcomes(passed=2, failed=6)
+    result.assert_outcomes(passed=3, failed=6)
     result.stdout.fnmatch_lines_random(
         [
             "rank 1 failed: raised AssertionError: assert [[]1, 2[]] == [[]1, 3[]]; rank 0 *",
@@ -443,6 +463,8 @@ def test_deepspeed_tests_get_the_harness_verdicts(ds: pytest.Pytester) -> None:
             "values that cannot: lock): TypeError: *DeepSpeed's own pool pickles it too*",
             "*RanksReplacedWarning: *set DeepSpeed's ccl backend up (its native side keeps its "
             "first communicator*the ranks are replaced for the next test*",
+            "*RanksReplacedWarning: *left DeepSpeed's zero.Init entered (every torch.nn.Module "
+            "subclass's __init__ replaced)*the ranks are replaced for the next test*",
         ]
     )
 

@@ -93,7 +93,9 @@ def test_what_passes_as_it_is_passes_adopted() -> None:
     as_it_is = _session(tests, "-p", "no:harness", "-rA", *BOTH_WAYS)
     adopted = _session(tests, "-p", "harness", "--rank-adopt", "deepspeed", "-rA", *BOTH_WAYS)
     was, now = _outcomes(as_it_is), _outcomes(adopted)
-    assert was and was == now, (as_it_is.stdout[-3000:], adopted.stdout[-3000:])
+    tails = (as_it_is.stdout[-3000:], adopted.stdout[-3000:])
+    assert "PASSED" in was.values(), tails  # not a checkout where everything fails both ways
+    assert was == now, tails
 
 
 def test_deepspeed_failures_get_the_harness_verdicts(tmp_path: Path) -> None:
