@@ -27,8 +27,12 @@ from harness.common.protocol import Target
 
 endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 
-# Where DeepSpeed keeps its distributed state: every global, its dicts, lists and sets too.
-STATE_MODULES = (
+# DeepSpeed keeps its state in module globals, every module's put back (its dicts, lists
+# and sets too): the backend in deepspeed.comm.comm, the groups in deepspeed.utils.groups,
+# registries such as deepspeed.utils.debug's (keyed by the engine's modules, which hold its
+# process groups). These modules' classes keep some as class attributes: put back too.
+PACKAGE = "deepspeed"
+CLASS_STATE_MODULES = (
     "deepspeed.comm.comm",
     "deepspeed.comm.torch",
     "deepspeed.utils.groups",
@@ -218,15 +222,13 @@ class State:
     @classmethod
     def taken(cls) -> State:
         state = cls()
-        for name in STATE_MODULES:
-            module = sys.modules.get(name)
-            if module is None:
-                continue
+        for name, module in _deepspeed_modules():
             values = dict(vars(module))
             state.modules[name] = (module, values, _contents(values))
-            for value in values.values():  # the classes it defines: their counters, backups
+        for name in CLASS_STATE_MODULES:
+            for value in vars(sys.modules.get(name) or _NO_MODULE).values():
                 if isinstance(value, type) and value.__module__ == name:
-                    own = dict(vars(value))
+                    own = dict(vars(value))  # the class's counters, backups
                     state.classes.append((value, own, _contents(own)))
         for owner, names in _torch_owners():
             state.patched += [(owner, n, vars(owner).get(n, _ABSENT)) for n in names]
@@ -239,7 +241,8 @@ class State:
         for module, values, contents in self.modules.values():
             now = vars(module)
             for key in [k for k in now if k not in values and not k.startswith("__")]:
-                del now[key]
+                if not isinstance(now[key], ModuleType):  # a submodule imported: it stays
+                    del now[key]
             now.update(values)
             for key, saved in contents.items():
                 _refill(values[key], saved)
@@ -267,6 +270,19 @@ class State:
                 "left DeepSpeed's zero.Init entered (every torch.nn.Module subclass's "
                 "__init__ replaced): use it as a context manager, with"
             )
+
+
+def _deepspeed_modules() -> list[tuple[str, ModuleType]]:
+    """DeepSpeed's modules this rank has imported."""
+    prefix = PACKAGE + "."
+    return [
+        (name, module)
+        for name, module in list(sys.modules.items())
+        if (name == PACKAGE or name.startswith(prefix)) and isinstance(module, ModuleType)
+    ]
+
+
+_NO_MODULE = ModuleType("absent")
 
 
 def _torch_owners() -> list[tuple[Any, tuple[str, ...]]]:

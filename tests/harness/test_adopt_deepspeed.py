@@ -26,6 +26,7 @@ def deepspeed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     and a rank checks that its deepspeed is the pytest process's)."""
     where = tmp_path_factory.mktemp("deepspeed_checkout")
     shutil.copytree(LIKE / "deepspeed", where / "deepspeed")
+    shutil.copy(LIKE / "deepspeed_shm_comm.py", where)
     return where
 
 
@@ -49,7 +50,7 @@ def ds(inner: pytest.Pytester, tmp_path: Path, deepspeed_path: Path) -> Iterator
 
 
 def _shm_made() -> list[str]:
-    """The shared-memory buffers the DeepSpeed-like op made (deepspeed/comm/shm.py)."""
+    """The shared-memory buffers the DeepSpeed-like op made (deepspeed_shm_comm.py)."""
     log = Path(os.environ["SHM_LOG"])
     return log.read_text().split() if log.exists() else []
 
@@ -58,7 +59,7 @@ PASSING = """
 import os, pytest, torch
 import deepspeed.comm as dist
 import deepspeed.comm.comm as comm_state
-from deepspeed.utils import groups
+from deepspeed.utils import debug, groups
 from deepspeed.ops.op_builder import TinyAdamBuilder, TinyLionBuilder
 from deepspeed.runtime.zero import Init
 from deepspeed.runtime.zero.partition_parameters import _orig_torch_empty
@@ -177,6 +178,9 @@ class TestStateSet(DistributedTest):
         groups._WORLD_GROUP = "left behind"
         comm_state.comms_logger_calls.append("left behind")
         Init(module=torch.nn.Linear(2, 2))  # F.linear replaced for good, as DeepSpeed's does
+        engine = torch.nn.Linear(2, 2)  # DeepSpeed's engine holds its groups
+        engine.group = torch.distributed.distributed_c10d._get_default_group()
+        debug.module_names[engine] = "engine"  # a DeepSpeed module global no test empties
         with Init(quantized=True):  # the layers' state-dict loading wrapped for good
             torch.empty(1)
         with open(os.path.join(os.environ["STATE_DIR"], f"pid{dist.get_rank()}"), "w") as f:
@@ -189,6 +193,7 @@ class TestStateSeen(DistributedTest):
             assert f.read() == str(os.getpid())  # the same warm rank
         assert groups._EXPERT_PARALLEL_GROUP == {} and groups._WORLD_GROUP is None
         assert comm_state.comms_logger_calls == [] and comm_state.cdb is not None
+        assert debug.module_names == {}
         assert F.linear is torch._C._nn.linear and not hasattr(Init, "linear_bk")
         assert Init.num_module_parameters == 0 and torch.empty is _orig_torch_empty
         assert "__new__" not in vars(torch.Tensor) and "_old_apply" not in vars(nn.Module)

@@ -1,10 +1,11 @@
 """As DeepSpeed's CPU shared-memory all-reduce op (csrc/cpu/comm/shm.cpp) sets itself up: once
 per process, a buffer in /dev/shm named after the user, MASTER_ADDR, MASTER_PORT and the rank,
-never unlinked. Each name made is logged in SHM_LOG."""
+never unlinked. Each name made is logged in SHM_LOG. An extension module, as DeepSpeed's
+built op is: outside the deepspeed package."""
 
 import os
 
-initialized = False  # the C op's static flag: a module deepspeed.comm's state does not cover
+initialized = False  # the C op's static flag: not DeepSpeed's module state
 
 
 def initialize(world_size, rank):
