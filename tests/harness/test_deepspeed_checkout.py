@@ -28,16 +28,6 @@ pytestmark = [
     ),
 ]
 
-# CPU-runnable files (gloo); the shared-memory all-reduce kernels for bf16 and fp16 need
-# AVX-512 in DeepSpeed releases before 0.19.8 and die of SIGILL without it (as they are too).
-SELECTION = (
-    "unit/comm/test_dist.py",
-    "unit/runtime/test_runtime_utils.py",
-    "unit/runtime/test_data.py",
-    "unit/runtime/test_ds_config_dict.py",
-    "unit/utils/test_groups.py",
-)
-NOT_ON_THIS_CPU = "not TestDistInferenceAllReduce"
 # A handful, run both ways: DeepSpeed's own pools take about 25 s a test here.
 BOTH_WAYS = (
     "unit/comm/test_dist.py::TestDistArgs",
@@ -79,7 +69,7 @@ def test_the_selection_passes_adopted() -> None:
     tests = Path(SRC) / "tests"
     adopt = ("-p", "harness", "--rank-adopt", "deepspeed")
     before = _shared_memory_buffers()
-    result = _session(tests, *adopt, "-k", NOT_ON_THIS_CPU, *SELECTION)
+    result = _session(tests, *adopt, *bench.NOT_ON_THIS_CPU, *bench.SELECTION)
     tail = result.stdout[-4000:]
     # DeepSpeed's all-reduce never unlinks its 66 MB buffers: each rank process's is removed
     assert _shared_memory_buffers() - before == set(), tail

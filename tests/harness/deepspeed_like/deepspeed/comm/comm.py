@@ -1,7 +1,7 @@
 """deepspeed.comm's module state: the backend (cdb) that init_distributed sets."""
 
-import torch.distributed as td
 import deepspeed_shm_comm as shm
+import torch.distributed as td
 
 cdb = None
 comms_logger_calls = []
