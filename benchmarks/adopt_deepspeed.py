@@ -18,6 +18,7 @@ Two parts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,11 +135,34 @@ def _environment(plugin_dir: Path, times: Path, path: tuple[str, ...] = ()) -> d
     return env
 
 
+@contextlib.contextmanager
+def buffers_left_removed() -> Iterator[None]:
+    """The all-reduce buffers DeepSpeed's own pools leave in /dev/shm (66 MB a rank process,
+    never unlinked: see harness/shared_memory.py), those made or rewritten while this runs,
+    removed after it: a machine that runs DeepSpeed's tests as they are fills its memory."""
+    before = _buffers()
+    try:
+        yield
+    finally:
+        for path, written in _buffers().items():
+            if before.get(path) != written:
+                path.unlink(missing_ok=True)
+
+
+def _buffers() -> dict[Path, float]:
+    """This user's DeepSpeed buffers in /dev/shm, with when each was last written."""
+    found = {}
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            found[path] = path.stat().st_mtime
+    return found
+
+
 def run_session(
     python: str, tests: Path, args: list[str], timeout: float, path: tuple[str, ...] = ()
 ) -> Session:
     """pytest in DeepSpeed's tests/ folder with the timing plugin; killed past `timeout`."""
-    with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp, buffers_left_removed():
         folder = Path(tmp)
         (folder / "bench_timing.py").write_text(TIMING_CONFTEST)
         times, log = folder / "times.json", folder / "output.txt"
