@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import OUT, TIMING_CONFTEST, Sample
+from harness import shared_memory
 
 SELECTION = (  # CPU-runnable with gloo: comm, runtime, utils, ZeRO stages 1-3 on small models
     "unit/comm/test_dist.py",
@@ -140,19 +141,19 @@ def buffers_left_removed() -> Iterator[None]:
     """The all-reduce buffers DeepSpeed's own pools leave in /dev/shm (66 MB a rank process,
     never unlinked: see harness/shared_memory.py), those made or rewritten while this runs,
     removed after it: a machine that runs DeepSpeed's tests as they are fills its memory."""
-    before = _buffers()
+    before = buffers_written()
     try:
         yield
     finally:
-        for path, written in _buffers().items():
+        for path, written in buffers_written().items():
             if before.get(path) != written:
                 path.unlink(missing_ok=True)
 
 
-def _buffers() -> dict[Path, float]:
+def buffers_written() -> dict[Path, float]:
     """This user's DeepSpeed buffers in /dev/shm, with when each was last written."""
     found = {}
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+    for path in shared_memory.SHM_DIR.glob(f"{shared_memory.PREFIX}_{os.getuid()}_*"):
         with contextlib.suppress(OSError):  # gone meanwhile
             found[path] = path.stat().st_mtime
     return found

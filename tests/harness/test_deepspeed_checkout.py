@@ -48,8 +48,7 @@ def _session(tests: Path, *args: str, timeout: float = 1800) -> subprocess.Compl
 
 
 def _shared_memory_buffers() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
+    return {path.name for path in bench.buffers_written()}
 
 
 def _outcomes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
