@@ -20,6 +20,7 @@ not the one above) runs as before, and the session says so once. Imports no torc
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import os
@@ -64,6 +65,7 @@ class _Session:
     patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # base -> original
     extensions_ready: bool = False
     ops_built: dict[str, str] = field(default_factory=dict)  # JIT op -> the file loaded here
+    cpu_info: Any = None  # py-cpuinfo's description of this CPU, once asked (see _cpu_described)
 
 
 _session_key = pytest.StashKey[_Session]()
@@ -287,7 +289,7 @@ def _build(config: pytest.Config, builder: str) -> tuple[str, str]:
             found = getattr(found, part)
         op = found()
         build_lock.wait_for_build_lock(str(op.name))
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(_session(config)):
             loaded = op.load()
     except SpecError:
         raise
@@ -369,8 +371,37 @@ def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
     name = "" if builder is None else str(builder.name)
     if name:
         build_lock.wait_for_build_lock(name)
-    with contextlib.redirect_stdout(sys.stderr):  # its "built successfully" line
+    with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(session):  # "built" line
         built = build()
     if built is not None:  # None: not compatible here, and the ranks do not build it either
         session.ops_built[name] = _file_of(built)
     _said(config, f"built DeepSpeed's {SHM_BUILDER} op once for the session's ranks", start)
+
+
+@contextlib.contextmanager
+def _cpu_described_once(session: _Session) -> Iterator[None]:
+    """While the pytest process builds or loads DeepSpeed's ops: py-cpuinfo's get_cpu_info
+    answers from the session's first answer. DeepSpeed's builders ask it twice an op for
+    their compiler flags, and each ask runs a Python subprocess that times the CPU (about a
+    second, on the first test's path); the CPU does not change within a session. Put back
+    after, for the tests' own calls."""
+    try:
+        cpuinfo: Any = importlib.import_module("cpuinfo")
+    except ImportError:  # DeepSpeed's builders then ask lscpu, as they would
+        yield
+        return
+    asked = getattr(cpuinfo, "get_cpu_info", None)
+    if not callable(asked):
+        yield
+        return
+
+    def described() -> Any:
+        if session.cpu_info is None:
+            session.cpu_info = asked()
+        return copy.deepcopy(session.cpu_info)  # each caller its own, as py-cpuinfo gives
+
+    cpuinfo.get_cpu_info = described
+    try:
+        yield
+    finally:
+        cpuinfo.get_cpu_info = asked

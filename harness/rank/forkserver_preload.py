@@ -11,7 +11,11 @@ private work directory in PRELOAD_DIR while it starts the server; in it:
   rename, once the tests are collected);
 - ``early.path``, ``modules.path``: the pytest process's sys.path as each list was written,
   one entry per line (multiprocessing's server before Python 3.12 does not take it);
-- ``modules.env``: the pytest process's environment then (JSON), used while importing;
+- ``early.env``, ``modules.env``: the pytest process's environment as each list was written
+  (JSON), used while importing it;
+- ``modules.files``: the files the pytest process imported the list's top-level packages
+  from (JSON): a server that imported one early from another file, or under another
+  environment, imports no more and says ``stale WHY`` (the pytest process replaces it);
 - ``at``: the module being imported now, for a report if the import never ends;
 - ``output``: what the imports printed (the server's stdout and stderr are pytest's own);
 - ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
@@ -83,12 +87,15 @@ def preload(directory: Path) -> None:
     (directory / "started").touch()
     at = directory / "at"
     threads_before, started = _threads(), time.monotonic()
-    imported, failed, cuda = 0, [], ""
+    imported, failed, cuda, stale = 0, [], "", ""
     from harness.rank import state  # imported with the worker, before this
 
+    early_environ: dict[str, str] = {}
     with _output_to(directory / "output"), state.torch_globals_kept():
         for phase in ("early", "modules"):  # last session's list while pytest collects
             if phase == "modules" and not _handed_over(directory / phase):
+                break
+            if phase == "modules" and (stale := _stale(directory, early_environ)):
                 break
             with _path_from(directory / f"{phase}.path"), _environ_from(directory, phase):
                 for name in _names(directory / phase):
@@ -105,6 +112,8 @@ def preload(directory: Path) -> None:
                     if _cuda_initialized():
                         cuda = name  # forks of this server could not use CUDA: stop here
                         break
+                if phase == "early":
+                    early_environ = dict(os.environ)  # as the early imports left it
             if cuda:
                 break
     lines = [
@@ -112,11 +121,37 @@ def preload(directory: Path) -> None:
         f"seconds {time.monotonic() - started:.3f}",
         f"threads {max(0, _threads() - threads_before)}",
         *([f"cuda {cuda}"] if cuda else []),
+        *([f"stale {stale}"] if stale else []),
         *failed,
     ]
     written = directory / "done.partial"
     written.write_text("\n".join(lines) + "\n")
     written.rename(directory / "done")
+
+
+def _stale(directory: Path, early_environ: dict[str, str]) -> str:
+    """Why what this server imported before the tests were collected is not what the ranks
+    need, or "": a variable the collection set or changed that its early imports did not set
+    the same way (a conftest's, read at import by a library imported early), or a package
+    imported from another file than the pytest process's (a checkout a later conftest put
+    first on sys.path)."""
+    try:
+        handed = json.loads((directory / "modules.env").read_text())
+        files = json.loads((directory / "modules.files").read_text())
+    except (OSError, ValueError):
+        return ""  # not started early: nothing was imported before the tests were collected
+    if not isinstance(handed, dict) or not isinstance(files, dict):
+        return ""
+    forced = {"PYTORCH_NVML_BASED_CUDA_CHECK"}  # set by this server for every import
+    keys = (set(handed) | set(early_environ)) - forced
+    changed = sorted(k for k in keys if handed.get(k) != early_environ.get(k))
+    if changed:
+        return f"set while pytest collected: {', '.join(changed[:5])}"
+    for name, file in files.items():
+        here = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(here, str) and os.path.realpath(here) != file:
+            return f"{name} imported from {here}, the tests' from {file}"
+    return ""
 
 
 def _cuda_initialized() -> bool:

@@ -54,6 +54,7 @@ class Preloaded:
     seconds: float = 0.0
     threads: int = 0  # threads the imports left running in the server (not in its forks)
     cuda: str = ""  # the import that initialised CUDA there (the server was then replaced)
+    stale: str = ""  # why what a server started early imported was not the tests' (replaced)
     failed: list[str] = field(default_factory=list)
     output: str = ""
 
@@ -64,7 +65,6 @@ class _Early:
 
     directory: Path
     pid: int
-    environ: dict[str, str]  # as it was started with
     handed: bool = False  # whether it has the session's list yet
 
 
@@ -82,7 +82,7 @@ def start_early(workdir: Path, early: Sequence[str]) -> bool:
     _prepare(multiprocessing.get_context("forkserver"))
     directory = _launch(workdir, early)
     pid = _server_pid()
-    _waiting = None if pid is None else _Early(directory, pid, dict(os.environ))
+    _waiting = None if pid is None else _Early(directory, pid)
     return _waiting is not None
 
 
@@ -97,12 +97,7 @@ def hand_over_early(plan: PreloadPlan) -> None:
     multiprocessing's server serves only once its preload is done.)"""
     if _waiting is None or _waiting.handed or _server_pid() != _waiting.pid:
         return
-    if dict(plan.environ) != _waiting.environ:
-        # A conftest set a variable while collecting: what the server imported early read
-        # the environment before it. Replaced: the first pool starts one with the session's.
-        _kill_server()
-        return
-    _hand_over(_waiting.directory, plan)
+    _hand_over(_waiting.directory, plan, started_early=True)
     _waiting.handed = True
 
 
@@ -128,14 +123,25 @@ def context(
     plan = plan or PreloadPlan((), SERVER_START_S)
     early, _waiting = _waiting, None
     if early is not None and _server_pid() == early.pid:
-        directory = early.directory
         if not early.handed:
-            _hand_over(directory, plan)
-    elif plan.modules and _server_pid() is None and _harness_importable_there():
+            _hand_over(early.directory, plan, started_early=True)
+        found = _preloaded(early.directory, plan)
+        if not found.stale:
+            return ctx, found
+        # What it imported before the tests were collected is not what they import (a
+        # conftest set a variable a library read at import, say): a fresh server instead.
+        _kill_server()
+    if plan.modules and _server_pid() is None and _harness_importable_there():
         directory = _launch(Path(workdir or tempfile.gettempdir()), ())
         _hand_over(directory, plan)
-    else:
-        return ctx, None
+        return ctx, _preloaded(directory, plan)
+    return ctx, None
+
+
+def _preloaded(directory: Path, plan: PreloadPlan) -> Preloaded:
+    """Wait for the running server to start, then to preload `plan` (each bounded); what it
+    did. A server whose preload initialised CUDA is ended (its forks could not use CUDA):
+    multiprocessing then starts a plain one."""
     pid = _server_pid()
     watch = StartWatch()
     _wait_for(
@@ -155,8 +161,8 @@ def context(
     )
     found = _report(directory)
     if found.cuda:
-        _kill_server()  # its forks could not use CUDA; multiprocessing starts a plain one
-    return ctx, found
+        _kill_server()
+    return found
 
 
 _importable: bool | None = None
@@ -209,6 +215,7 @@ def _launch(workdir: Path, early: Sequence[str]) -> Path:
     directory = Path(tempfile.mkdtemp(prefix="preload-", dir=workdir))
     (directory / "early.path").write_text("\n".join(sys.path) + "\n")
     (directory / "early").write_text("\n".join(early) + "\n")
+    (directory / "early.env").write_text(json.dumps(dict(os.environ)))  # 0700, as modules.env
     os.environ[PRELOAD_DIR] = str(directory)  # read, then dropped, by the server
     try:
         with _output_into(directory / "output"):
@@ -239,15 +246,29 @@ def _output_into(path: Path) -> Iterator[None]:
             os.close(each)
 
 
-def _hand_over(directory: Path, plan: PreloadPlan) -> None:
+def _hand_over(directory: Path, plan: PreloadPlan, started_early: bool = False) -> None:
     """The session's list, with sys.path and the environment as they were when the tests
-    were collected, in one rename the server waits for."""
+    were collected, in one rename the server waits for; to a server started early, also
+    where this process imported the list's top-level packages from, for it to check what it
+    imported before (see rank/forkserver_preload.py)."""
     (directory / "modules.path").write_text("\n".join(sys.path) + "\n")
     env = directory / "modules.env"  # in the session's 0700 work directory
     env.write_text(json.dumps(dict(plan.environ)))
+    if started_early:
+        (directory / "modules.files").write_text(json.dumps(_top_level_files(plan.modules)))
     partial = directory / "modules.partial"
     partial.write_text("\n".join(plan.modules) + "\n")
     partial.rename(directory / "modules")
+
+
+def _top_level_files(names: Sequence[str]) -> dict[str, str]:
+    """Where this process imported each top-level package of `names` from (real paths)."""
+    found = {}
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None) if "." not in name else None
+        if isinstance(file, str):
+            found[name] = os.path.realpath(file)
+    return found
 
 
 def _wait_for(
@@ -293,6 +314,8 @@ def _report(directory: Path) -> Preloaded:
             found.threads = int(value)
         elif key == "cuda":
             found.cuda = value
+        elif key == "stale":
+            found.stale = value
         elif key == "failed":
             found.failed.append(value)
     return found

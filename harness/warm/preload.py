@@ -101,10 +101,10 @@ _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> list[str] | None:
     """What a fork server started before collection ends imports first (the last session's
-    list, from pytest's cache), or None where starting one early is not wanted: only where
-    ranks are likely needed (the last session started them, --rank-adopt is on, or a ranks
-    test was just collected), and never in xdist's controller (its workers run the tests)
-    or under torchrun."""
+    list, from pytest's cache, and an adopted suite's library where it can be found now),
+    or None where starting one early is not wanted: only where ranks are likely needed (the
+    last session started them, --rank-adopt is on, or a ranks test was just collected), and
+    never in xdist's controller (its workers run the tests) or under torchrun."""
     session = settings_of(config)
     if session.preload != "auto" or session.start_method != "forkserver":
         return None
@@ -114,7 +114,17 @@ def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> 
     last = cache.get(CACHE_KEY, None) if cache is not None else None
     if last is None and not session.adopt and not ranks_collected:
         return None
-    return _trusted(last) if isinstance(last, list) else []
+    found = [name for name in sorted(adopted_libraries(config)) if _findable(name)]
+    return [*(_trusted(last) if isinstance(last, list) else []), *found]
+
+
+def _findable(top: str) -> bool:
+    """Whether a top-level package can be imported from this process's sys.path (found, not
+    imported): an adopted suite's checkout is on it once the initial conftests have run."""
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def record(config: pytest.Config, started_ranks: bool, failed: list[str]) -> None:

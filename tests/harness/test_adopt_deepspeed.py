@@ -27,6 +27,7 @@ def deepspeed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("deepspeed_checkout")
     shutil.copytree(LIKE / "deepspeed", where / "deepspeed")
     shutil.copy(LIKE / "deepspeed_shm_comm.py", where)
+    shutil.copy(LIKE / "cpuinfo.py", where)  # py-cpuinfo, which DeepSpeed's builders ask
     return where
 
 
@@ -42,6 +43,7 @@ def ds(inner: pytest.Pytester, tmp_path: Path, deepspeed_path: Path) -> Iterator
     os.environ["LOCAL_SIZE"] = "2"
     os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "extensions")
     os.environ["BUILD_LOG"] = str(tmp_path / "builds.log")
+    os.environ["CPUINFO_LOG"] = str(tmp_path / "cpuinfo.log")
     os.environ["STATE_DIR"] = str(tmp_path)
     os.environ["SHM_LOG"] = str(tmp_path / "shm.log")
     yield inner
@@ -247,6 +249,39 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     result.stdout.no_fnmatch_line("*not adopted*")
     builds = Path(os.environ["BUILD_LOG"]).read_text().split()
     assert builds == [str(os.getpid())] * 2  # each op built once, here, and never in a rank
+    # DeepSpeed's builders ask py-cpuinfo twice an op (a second each, as a subprocess times
+    # the CPU): asked once for the session's builds.
+    assert Path(os.environ["CPUINFO_LOG"]).read_text().split() == [str(os.getpid())]
+
+
+PRELOADED_EARLY = """
+import multiprocessing.forkserver, os
+import deepspeed
+from ds_common import DistributedTest
+
+SERVER_WHILE_COLLECTING = multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+class TestRanks(DistributedTest):
+    def test_deepspeed_came_with_the_fork(self):
+        assert deepspeed.IMPORTED_IN == os.getppid()
+
+
+def test_the_server_started_while_collecting_ran_them():
+    assert SERVER_WHILE_COLLECTING is not None
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == SERVER_WHILE_COLLECTING
+"""
+
+
+def test_deepspeed_from_its_checkout_is_preloaded_while_pytest_collects(
+    ds: pytest.Pytester,
+) -> None:
+    """With no pytest cache (a CI's fresh clone), the fork server starts as collection does
+    and imports DeepSpeed from its checkout meanwhile (about 4 s of the first test, and its
+    import sets variables): the server is kept for the ranks, not replaced once collected."""
+    ds.makepyfile(test_early=PRELOADED_EARLY)
+    args = ("-p", "harness", "--rank-adopt", "deepspeed", "-p", "no:cacheprovider")
+    ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
 
 
 OPS_AND_BUFFERS = """

@@ -234,6 +234,42 @@ def test_an_early_server_imports_with_the_environment_the_conftests_set(
         inner.runpytest_subprocess("-p", "harness", timeout=300).assert_outcomes(passed=1)
 
 
+KEPT = """
+import multiprocessing.forkserver, os, pytest
+import installed_mod
+
+SERVER_WHILE_COLLECTING = multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+@pytest.mark.ranks(2)
+def test_ranks(rank):
+    assert installed_mod.IMPORTED_IN == os.getppid()
+
+
+def test_the_server_started_early_ran_them():
+    if os.environ["EXPECT_EARLY"] == "1":
+        assert SERVER_WHILE_COLLECTING is not None
+        assert multiprocessing.forkserver._forkserver._forkserver_pid == SERVER_WHILE_COLLECTING
+"""
+
+
+def test_an_early_server_is_kept_where_collection_set_only_what_its_imports_set(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A library that sets a variable as it is imported (DeepSpeed sets torch's NVML check,
+    # torch's inductor its cache directory) sets it in the pytest process while it collects,
+    # and in the early server as it imports it: the same environment, the server is kept
+    # (it was replaced, its early imports wasted, at every such session).
+    _project(inner, installed="import os\nos.environ.setdefault('SET_BY_IMPORT', '1')\n"
+             "IMPORTED_IN = os.getpid()\n")  # fmt: skip
+    inner.makepyfile(test_kept=KEPT)
+    run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
+    monkeypatch.setenv("EXPECT_EARLY", "0")  # the first: started at its ranks test
+    run().assert_outcomes(passed=2)
+    monkeypatch.setenv("EXPECT_EARLY", "1")  # the second: at once, installed_mod early
+    run().assert_outcomes(passed=2)
+
+
 SETS_TORCH_UP = """
 import torch
 torch.backends.disable_global_flags()  # as torch's test utilities do when imported

@@ -2,6 +2,9 @@
 
 import os
 
+# As DeepSpeed's sets torch's NVML check before importing torch, a variable set at import.
+os.environ.setdefault("DEEPSPEED_LIKE_IMPORTED", "1")
+
 from deepspeed import comm
 from deepspeed.comm.comm import init_distributed
 

@@ -1,6 +1,7 @@
 """An op builder as DeepSpeed's: load() JIT-builds into torch's extension cache
 (TORCH_EXTENSIONS_DIR) unless a build is there, under torch's lock file as torch's load takes
-it (waited on with no bound), and imports what it built; each build is logged in BUILD_LOG."""
+it (waited on with no bound), and imports what it built; each build is logged in BUILD_LOG. Its
+compiler flags ask py-cpuinfo for the CPU's description twice a load, as DeepSpeed's do."""
 
 import importlib.util
 import os
@@ -18,7 +19,19 @@ class OpBuilder:
     def load(self, verbose=True):
         return self.jit_load(verbose)
 
+    def cpu_arch(self):
+        from cpuinfo import get_cpu_info
+
+        return "-march=native" if get_cpu_info()["arch"] == "X86_64" else ""
+
+    def simd_width(self):
+        from cpuinfo import get_cpu_info
+
+        return "-D__AVX256__" if "avx2" in get_cpu_info()["flags"] else "-D__SCALAR__"
+
     def jit_load(self, verbose=True):
+        flags = [self.cpu_arch(), self.simd_width()]  # torch's load hashes them with the sources
+        assert all(flags)
         folder = cpp_extension._get_build_directory(self.name, verbose=False)
         lock = os.path.join(folder, "lock")
         while os.path.exists(lock):  # torch's FileBaton.wait
