@@ -12,7 +12,8 @@ helpers, conftests, its packages, installed or not) are still imported in each r
 the rank knows who it is: a module of the project that reads the rank's environment at
 import time keeps reading its own rank. One exception: a library whose suite is adopted
 (DeepSpeed's, tested from its source checkout) is preloaded from wherever the pytest process
-imported it. Imports no torch.
+imported it, and by a server started early from where it can be found as collection starts
+(the server checks that the tests imported that same file). Imports no torch.
 """
 
 from __future__ import annotations

@@ -284,6 +284,39 @@ def test_deepspeed_from_its_checkout_is_preloaded_while_pytest_collects(
     ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
 
 
+FROM_THE_CHECKOUT = """
+import os
+import deepspeed
+from ds_common import DistributedTest
+
+
+class TestRanks(DistributedTest):
+    def test_deepspeed_is_the_checkouts(self):
+        assert deepspeed.__file__.startswith(os.environ["DEEPSPEED_LIKE_CHECKOUT"])
+        assert deepspeed.IMPORTED_IN == os.getppid()  # preloaded all the same
+"""
+
+
+def test_a_server_that_imported_another_deepspeed_early_is_replaced(
+    ds: pytest.Pytester, tmp_path: Path, deepspeed_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As collection starts, the server imports the deepspeed it can find then (here another
+    copy, on PYTHONPATH); a conftest below the root then puts the checkout first, as
+    DeepSpeed's does when pytest runs from above its tests/. The ranks get the checkout's."""
+    other = tmp_path / "installed"
+    shutil.copytree(deepspeed_path, other)  # deepspeed and the modules beside it
+    monkeypatch.setenv("PYTHONPATH", str(other))
+    inserts = 'sys.path.insert(1, os.environ["DEEPSPEED_LIKE_CHECKOUT"])\n'
+    hooks = (LIKE / "conftest.py").read_text()
+    assert inserts in hooks
+    (ds.path / "conftest.py").write_text(hooks.replace(inserts, ""))  # the hooks only
+    sub = ds.mkpydir("sub")
+    (sub / "conftest.py").write_text(f"import os, sys\n{inserts}")
+    (sub / "test_checkout.py").write_text(FROM_THE_CHECKOUT)
+    args = ("-p", "harness", "--rank-adopt", "deepspeed", "-p", "no:cacheprovider")
+    ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=1)
+
+
 OPS_AND_BUFFERS = """
 import os, torch
 import deepspeed.comm as dist
