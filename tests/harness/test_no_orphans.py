@@ -132,6 +132,8 @@ def test_hangs_with_children(rank):
     threading.Event().wait()
 """
     )
+    if how == "SIGHUP to the group":  # a shell's job, even where this session runs under nohup
+        pytester.makeconftest("import signal\nsignal.signal(signal.SIGHUP, signal.SIG_DFL)\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
         cwd=pytester.path,
@@ -194,9 +196,21 @@ def test_something(rank):
 @pytest.mark.ranks(2)
 def test_a_rank_ends_on_sigterm_and_sighup_as_any_process_does() -> None:
     # Forked from the fork server, a rank would otherwise carry its handlers, which kill
-    # the caller's whole tree.
+    # the caller's whole tree. (Under nohup the pytest process, and so a rank, ignores
+    # SIGHUP from its start, as any child of it does.)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    expected = signal.SIG_IGN if _ignored_by_pytest(signal.SIGHUP) else signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) is expected
+
+
+def _ignored_by_pytest(sig: int) -> bool:
+    """Whether the pytest process (the parent of this rank's fork server) ignores `sig`."""
+    stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+    pytest_pid = int(stat.rsplit(")", 1)[1].split()[1])
+    for line in Path(f"/proc/{pytest_pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
 
 
 @pytest.mark.slow
