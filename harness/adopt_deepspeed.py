@@ -65,7 +65,7 @@ class _Session:
     patched: dict[type, Callable[..., Any]] = field(default_factory=dict)  # base -> original
     extensions_ready: bool = False
     ops_built: dict[str, str] = field(default_factory=dict)  # JIT op -> the file loaded here
-    cpu_info: Any = None  # py-cpuinfo's description of this CPU, once asked (see _cpu_described)
+    cpu_info: Any = None  # py-cpuinfo's description of this CPU, once asked (_cpu_described_once)
 
 
 _session_key = pytest.StashKey[_Session]()
