@@ -5,6 +5,7 @@ with its test base, and CI has no network). The real suite runs in make test-dee
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -562,6 +563,8 @@ def test_what_passes_as_it_is_passes_adopted(ds: pytest.Pytester) -> None:
     ds.makepyfile(test_ds=PASSING)
     select = ("-k", "not TestState and not TestBuildsOnce", "-rs", "-p", "no:cacheprovider")
     as_it_is = ds.runpytest_subprocess("-p", "harness", *select, timeout=600)
+    if _a_worker_crashed(as_it_is):  # the base's own processes, not the adoption: run again
+        as_it_is = ds.runpytest_subprocess("-p", "harness", *select, timeout=600)
     adopted = ds.runpytest_subprocess("-p", "harness", "--rank-adopt", "deepspeed", *select)
     as_it_is.assert_outcomes(passed=12, skipped=3, deselected=5)
     adopted.assert_outcomes(passed=12, skipped=3, deselected=5)
@@ -569,3 +572,10 @@ def test_what_passes_as_it_is_passes_adopted(ds: pytest.Pytester) -> None:
     assert len(skips) == 3
     for line in skips:  # the same reasons (their places differ: the base's code, the test)
         assert any(line.split(": ", 1)[1] in other for other in adopted.outlines)
+
+
+def _a_worker_crashed(result: pytest.RunResult) -> bool:
+    """Whether a process of the base's own pools died of a signal: a spawned worker that
+    tore gloo down as it exited sometimes aborts ("terminate called without an active
+    exception", exit code -6) on a busy machine, as it does under DeepSpeed's own base."""
+    return re.search(r"Worker \d+ exited with code -\d+", result.stdout.str()) is not None
