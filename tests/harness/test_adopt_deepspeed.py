@@ -4,6 +4,7 @@ with its test base, and CI has no network). The real suite runs in make test-dee
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -563,10 +564,9 @@ def test_what_passes_as_it_is_passes_adopted(ds: pytest.Pytester) -> None:
     ds.makepyfile(test_ds=PASSING)
     select = ("-k", "not TestState and not TestBuildsOnce", "-rs", "-p", "no:cacheprovider")
     as_it_is = ds.runpytest_subprocess("-p", "harness", *select, timeout=600)
-    if _a_worker_crashed(as_it_is):  # the base's own processes, not the adoption: run again
-        as_it_is = ds.runpytest_subprocess("-p", "harness", *select, timeout=600)
     adopted = ds.runpytest_subprocess("-p", "harness", "--rank-adopt", "deepspeed", *select)
-    as_it_is.assert_outcomes(passed=12, skipped=3, deselected=5)
+    crashed = _crashed_at_exit(as_it_is)
+    as_it_is.assert_outcomes(passed=12 - crashed, failed=crashed, skipped=3, deselected=5)
     adopted.assert_outcomes(passed=12, skipped=3, deselected=5)
     skips = sorted(line for line in as_it_is.outlines if line.startswith("SKIPPED"))
     assert len(skips) == 3
@@ -574,8 +574,13 @@ def test_what_passes_as_it_is_passes_adopted(ds: pytest.Pytester) -> None:
         assert any(line.split(": ", 1)[1] in other for other in adopted.outlines)
 
 
-def _a_worker_crashed(result: pytest.RunResult) -> bool:
-    """Whether a process of the base's own pools died of a signal: a spawned worker that
-    tore gloo down as it exited sometimes aborts ("terminate called without an active
-    exception", exit code -6) on a busy machine, as it does under DeepSpeed's own base."""
-    return re.search(r"Worker \d+ exited with code -\d+", result.stdout.str()) is not None
+def _crashed_at_exit(result: pytest.RunResult) -> int:
+    """How many tests the base's own run failed only because a spawned non-daemonic worker
+    died of a signal: the base, as DeepSpeed's does, leaves gloo's group up as such a worker
+    exits, and its teardown then aborts now and then ("terminate called without an active
+    exception", exit code -6: about one run in four here). Any other failure of that run
+    counts against the comparison."""
+    header = re.compile(r"_+ TestNonDaemonic\.\S+ _+$")  # a failure's section (pytrace off)
+    crash = re.compile(r"Worker \d+ exited with code -\d+$")
+    pairs = itertools.pairwise(result.outlines)
+    return sum(1 for line, next_line in pairs if header.match(line) and crash.match(next_line))
