@@ -142,8 +142,7 @@ def _stale(directory: Path, early_environ: dict[str, str]) -> str:
         return ""  # not started early: nothing was imported before the tests were collected
     if not isinstance(handed, dict) or not isinstance(files, dict):
         return ""
-    forced = {"PYTORCH_NVML_BASED_CUDA_CHECK"}  # set by this server for every import
-    keys = (set(handed) | set(early_environ)) - forced
+    keys = (set(handed) | set(early_environ)) - {_NO_CUDA_INIT}  # set here for every import
     changed = sorted(k for k in keys if handed.get(k) != early_environ.get(k))
     if changed:
         return f"set while pytest collected: {', '.join(changed[:5])}"
@@ -152,6 +151,10 @@ def _stale(directory: Path, early_environ: dict[str, str]) -> str:
         if isinstance(here, str) and os.path.realpath(here) != file:
             return f"{name} imported from {here}, the tests' from {file}"
     return ""
+
+
+# Set while importing, so that torch asks NVML whether CUDA is there without initialising it.
+_NO_CUDA_INIT = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def _cuda_initialized() -> bool:
@@ -172,7 +175,7 @@ def _environ_from(directory: Path, phase: str) -> Iterator[None]:
     if isinstance(handed, dict):
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in handed.items()})
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    os.environ[_NO_CUDA_INIT] = "1"
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ imported it, and by a server started early from where it can be found as collect
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -122,10 +123,14 @@ def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> 
 def _findable(top: str) -> bool:
     """Whether a top-level package can be imported from this process's sys.path (found, not
     imported): an adopted suite's checkout is on it once the initial conftests have run."""
+    return _spec_of(top) is not None
+
+
+def _spec_of(top: str) -> importlib.machinery.ModuleSpec | None:
     try:
-        return importlib.util.find_spec(top) is not None
+        return importlib.util.find_spec(top)  # a top-level name: nothing is imported
     except (ImportError, ValueError):
-        return False
+        return None
 
 
 def record(config: pytest.Config, started_ranks: bool, failed: list[str]) -> None:
@@ -173,10 +178,7 @@ def _trusted(names: list[object]) -> list[str]:
 
 
 def _installed_top(top: str, roots: tuple[str, ...]) -> bool:
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-    except (ImportError, ValueError):
-        return False
+    spec = _spec_of(top)
     origin = spec.origin if spec is not None else None
     return isinstance(origin, str) and os.path.realpath(origin).startswith(roots)
 
