@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, measured, packing, runner, seam, seeds, settings, specs
+from harness import made_in_ranks, packing, runner, seam, seeds, settings, specs
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
@@ -259,6 +259,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it saves its data
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    """Once the tests have run, what the ranks measured counts in the session's coverage."""
+    try:
+        return (yield)
+    finally:
+        warm.fold_ranks_coverage(session.config)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return settings.settings_of(config).seed.header()
 
@@ -271,7 +280,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     warm.close_pools(config)  # idempotent; covers an interrupted session
-    measured.combine_ranks_data()  # under coverage run: the ranks' lines count in its report
     _sessions.discard(config)
     if not _sessions:  # the last in this process (pytester runs sessions inside another)
         warm.stop_forkserver_if_started()

@@ -136,7 +136,7 @@ def device_for(backend: Backend, rank: int) -> str:
 class CoverageSetup:
     """How a rank measures coverage: as the Coverage measuring the pytest process does."""
 
-    data_file: str  # absolute: a rank's data goes beside it, under RANK_DATA_SUFFIX
+    data_file: str  # absolute, in the session's work directory: the ranks' data files' stem
     config_file: str | None  # the one the pytest process read (None: none)
     source: tuple[str, ...] | None
     source_pkgs: tuple[str, ...] = ()

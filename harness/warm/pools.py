@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from harness import measured, shared_memory
@@ -107,6 +108,11 @@ class Pools:
         """Where the ranks' store lies: a file below the private work directory, which no
         other user can reach (see rank/private_store.py)."""
         return str(self._workdir / "store")
+
+    @property
+    def coverage_dir(self) -> Path:
+        """Where ranks save what they measured, until the session folds it into its own."""
+        return self._workdir / "coverage"
 
     def get(self, key: PoolKey) -> Pool:
         pool = self._pools.get(key)
@@ -217,7 +223,7 @@ class Pools:
             cwd=os.getcwd(),
             env=env,
             current_test=current_test,
-            coverage=measured.setup_for_ranks(),
+            coverage=measured.setup_for_ranks(self.coverage_dir),
         )
         return task.for_ranks(spec.world_size), launch_store
 

@@ -143,17 +143,14 @@ class RunLoop:
                 self._record_death(slot)
         deadline = start + self.timeout_s
         while len(self.outcomes) < len(self.slots):
-            limit = deadline
-            if self.grace_from is not None:
-                limit = min(deadline, self.grace_from + self._grace_s)
             cut_at = None if self._cut is None else self._cut.at
-            if cut_at is not None:
-                limit = min(limit, cut_at)
+            limit = deadline if cut_at is None else min(deadline, cut_at)
             remaining = limit - time.monotonic()
             if remaining <= 0:
                 self._handle_hang(self._cut if cut_at is not None and cut_at < deadline else None)
                 break
-            self._wait_once(min(remaining, self._poll_s()))
+            grace_left = self._end_peers_waiting_on_the_ended()
+            self._wait_once(min(remaining, grace_left, self._poll_s()))
             self._live.drain()
             self._drop_kept_groups_if_peers_lag()
             self._fail_on_a_mismatch()
@@ -247,10 +244,15 @@ class RunLoop:
         """Whether a rank still running has issued an operation no returned rank will match,
         or the ranks called a collective differently (one may wait for good)."""
         done = {o.rank for o in returned}
-        least = min(s.read_issued() for s in self.slots if s.rank in done)
-        if any(s.read_issued() > least for s in self._pending()):
+        if any(self._issued_past(s, done) for s in self._pending()):
             return True
         return self._mismatch() is not None
+
+    def _issued_past(self, slot: RankSlot, ranks: set[int]) -> bool:
+        """Whether `slot` issued more operations on the group than one of `ranks` did (it
+        waits on that rank for an operation it never issued)."""
+        counts = [s.read_issued() for s in self.slots if s.rank in ranks]
+        return bool(counts) and slot.read_issued() > min(counts)
 
     def _mismatch(self) -> collective_match.Mismatch | None:
         """The first collective the ranks called differently on the harness's group."""
@@ -336,6 +338,31 @@ class RunLoop:
         if self.grace_from is None and self._unexpected(outcome):
             self.grace_from = time.monotonic()
 
+    def _end_peers_waiting_on_the_ended(self) -> float:
+        """Once the failure grace is over, end as hung the ranks still running that wait on
+        a rank that has ended (they are in a labelled collective, or issued an operation on
+        the harness's group that it never matched): they could only wait for good. A rank
+        with no such sign may still end on its own, with its own ending: it is waited for up
+        to the test's timeout, so no time decides a verdict. Returns how long until the grace
+        is over (inf when it is, or no rank failed)."""
+        if self.grace_from is None:
+            return math.inf
+        left = self.grace_from + self._grace_s - time.monotonic()
+        if left > 0:
+            return left
+        waiting = [s for s in self._pending() if self._waits_on_an_ended_rank(s)]
+        if waiting:
+            self._end_as_hung(waiting, after_failure=True)
+        return math.inf
+
+    def _waits_on_an_ended_rank(self, slot: RankSlot) -> bool:
+        if slot.read_where():
+            return True  # a labelled collective needs every rank of its group
+        if not self._on_harness_group:
+            return False  # the test's own group: its operations are not counted
+        # A collective the ranks called differently may never complete.
+        return self._issued_past(slot, set(self.outcomes)) or self._mismatch() is not None
+
     def _unexpected(self, outcome: RankOutcome) -> bool:
         if outcome.ending in (Ending.SKIPPED, Ending.XFAILED):
             return False
@@ -344,9 +371,22 @@ class RunLoop:
         return not outcome.ok
 
     def _handle_hang(self, cut: Cut | None = None) -> None:
-        """Dump the stuck ranks' Python stacks; `collect` then closes the pool. `cut`: the
-        run was cut short (when, and why)."""
+        """At the run's bound (its timeout, or `cut`: when, and why), the ranks still
+        running are hung; those waiting on an ended rank hung because a peer failed."""
         stuck = self._pending()
+        waiting = [
+            s for s in stuck if self.grace_from is not None and self._waits_on_an_ended_rank(s)
+        ]
+        self._end_as_hung(waiting, after_failure=True, cut=cut)
+        self._end_as_hung(self._pending(), after_failure=False, cut=cut)
+
+    def _end_as_hung(
+        self, stuck: list[RankSlot], after_failure: bool, cut: Cut | None = None
+    ) -> None:
+        """Record `stuck` as hung, with their Python stacks; `collect` then closes the pool,
+        which kills them."""
+        if not stuck:
+            return
         stacks = self._dump({s.rank: (s.pid, s.files.stacks) for s in stuck})
         now = time.monotonic()
         for slot in stuck:
@@ -358,17 +398,19 @@ class RunLoop:
                 at=now,
                 stack=stacks.get(slot.rank, ""),
                 where=slot.read_where(),
-                after_failure=self.grace_from is not None,
+                after_failure=after_failure,
             )
-            if cut is not None:
-                waited = now - cut.asked_at
-                outcome.notes.append(f"still running {waited:.1f} s after {cut.why}; killed")
-            elif self.grace_from is not None:
-                waited = now - self.grace_from
-                outcome.notes.append(f"still running {waited:.1f} s after a peer failed; killed")
-            else:
-                outcome.notes.append(f"still running at the {self.timeout_s:g} s timeout; killed")
+            outcome.notes.append(self._hang_note(now, after_failure, cut))
             self.outcomes[slot.rank] = outcome
+            self._unwatch(slot.rank)
+
+    def _hang_note(self, now: float, after_failure: bool, cut: Cut | None) -> str:
+        if cut is not None:
+            return f"still running {now - cut.asked_at:.1f} s after {cut.why}; killed"
+        if after_failure and self.grace_from is not None:
+            waited = now - self.grace_from
+            return f"still running {waited:.1f} s after a peer failed, waiting on it; killed"
+        return f"still running at the {self.timeout_s:g} s timeout; killed"
 
 
 _NOT_REUSABLE = (Ending.HARD_EXIT, Ending.SIGNALLED, Ending.HUNG)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness import hypothesis_search, made_in_ranks, packing
+from harness import hypothesis_search, made_in_ranks, measured, packing
 from harness.common import rank_warnings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
@@ -279,6 +279,13 @@ def preload_summary(config: pytest.Config, verbose: bool) -> list[str]:
             f"--rank-preload none)"
         )
     return lines
+
+
+def fold_ranks_coverage(config: pytest.Config) -> None:
+    """Fold what the session's ranks measured into the Coverage measuring this process."""
+    pools = config.stash.get(_pools_key, None)
+    if pools is not None:
+        measured.fold_ranks_data(pools.coverage_dir)
 
 
 def close_pools(config: pytest.Config) -> list[int]:

@@ -81,6 +81,55 @@ def test_pytest_cov_counts_the_lines_the_ranks_run(pytester: pytest.Pytester, st
     assert line.split()[-1] == "100%", run.stdout[-3000:]
 
 
+NEIGHBOUR_TESTS = """
+import subprocess, sys
+
+
+def test_a_neighbour_session_starts_here_mid_session():
+    # Another pytest-cov session in the same directory: it erases .coverage.* as it starts,
+    # and combines (then deletes) the .coverage.* files it finds as it ends.
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:harness", "-p", "no:cacheprovider",
+         "--cov=measured_mod", "-q", "neighbour_check.py"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+"""
+NEIGHBOUR_CHECK = """
+def test_nothing_of_the_measured_module():
+    assert True
+"""
+
+
+@pytest.mark.parametrize("cov", ["pytest-cov", "coverage run"])
+def test_rank_data_survives_a_neighbour_coverage_session_in_the_same_directory(
+    pytester: pytest.Pytester, cov: str
+) -> None:
+    """A plain pytest-cov session started in the same directory erased the ranks'
+    `.coverage.harness-rank.*` files (and combined them into its own report): the ranks
+    session then reported 44% instead of 83%. The ranks' data lives in the session's own
+    work directory and is combined into the session's measurement in memory."""
+    pytester.makepyfile(
+        measured_mod=MEASURED,
+        test_1_measured=MEASURED_TESTS,
+        test_2_neighbour=NEIGHBOUR_TESTS,
+        neighbour_check=NEIGHBOUR_CHECK,
+    )
+    tests = ["test_1_measured.py", "test_2_neighbour.py"]
+    if cov == "pytest-cov":
+        run = _session(pytester, "pytest", "-p", "harness", "-p", "no:randomly",
+                       "--cov=measured_mod", "--cov-report=term-missing", *tests)  # fmt: skip
+        report = run.stdout
+    else:
+        run = _session(pytester, "coverage", "run", "--source=measured_mod", "-m", "pytest",
+                       "-p", "harness", "-p", "no:randomly", *tests)  # fmt: skip
+        report = _session(pytester, "coverage", "report", "-m").stdout
+    assert "1 failed, 3 passed" in run.stdout or "3 passed, 1 failed" in run.stdout, run.stdout
+    line = _line_of(report, "measured_mod.py")
+    assert line.split()[-1] == "100%", report[-3000:]
+    assert not list(pytester.path.glob(".coverage.harness-rank*")), "rank data left in the cwd"
+
+
 def test_coverage_run_counts_the_lines_the_ranks_run(pytester: pytest.Pytester) -> None:
     """`coverage run -m pytest`, then `coverage report`, as it is: no combine step."""
     pytester.makepyfile(measured_mod=MEASURED, test_measured=MEASURED_TESTS)

@@ -551,6 +551,54 @@ def test_xfail_raises_holds_for_every_ranks_own_failure_whichever_came_first(
     assert result.stdout.str().count("does not expect rank 1's failure") >= 2
 
 
+def test_a_peer_slower_than_the_failure_grace_is_judged_on_its_own_ending(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No time decides a verdict: rank 1's KeyError, raised after rank 0's expected
+    ValueError and later than the failure grace (shortened to 0.2 s here, 5 s by default),
+    fails the strict xfail as it does when it comes sooner. A rank outside any collective is
+    not waiting on its failed peer, so it is not cut at the grace and called its collateral."""
+    monkeypatch.setenv("_HARNESS_TEST_FAILURE_GRACE_S", "0.2")
+    inner.makepyfile(
+        """
+        import time
+        import pytest
+
+        def wait_for(path):
+            deadline = time.monotonic() + 60  # a bound, should rank 0 never write it
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        @pytest.mark.ranks(2, timeout=30)
+        @pytest.mark.xfail(raises=ValueError, strict=True)
+        def test_late_other_error(rank, shared_tmp_path):
+            if rank == 0:
+                (shared_tmp_path / "raised").touch()
+                raise ValueError("expected")
+            wait_for(shared_tmp_path / "raised")
+            time.sleep(1.0)  # slow work after the peer failed: five times the grace
+            raise KeyError("late")
+
+        @pytest.mark.ranks(2, timeout=30)
+        def test_late_own_failure(rank, shared_tmp_path):
+            if rank == 0:
+                (shared_tmp_path / "raised").touch()
+                raise ValueError("first")
+            wait_for(shared_tmp_path / "raised")
+            time.sleep(1.0)
+            raise KeyError("its own")
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-rxXf")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        ["*xfail(raises=ValueError) does not expect rank 1's failure: raised KeyError: 'late'*"]
+    )
+    text = result.stdout.str()
+    assert "raised KeyError: 'its own'" in text, text
+    assert "hung outside any collective" not in text and "after a peer failed" not in text
+
+
 def test_only_pytests_own_outcomes_skip_or_xfail(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """

@@ -51,6 +51,7 @@ class FakeSlot:
         self.files = RankFiles.in_dir(directory, rank)
         self.issued = 0  # operations issued on the group in this test
         self.collectives: list[str] = []  # their fingerprints, in order
+        self.where = ""  # the labelled collective it is in
 
     def empty_output(self) -> None:
         for path in (self.files.stdout, self.files.stderr):
@@ -69,7 +70,7 @@ class FakeSlot:
         return len(self.collectives), dict(enumerate(self.collectives))
 
     def read_where(self) -> str:
-        return ""
+        return self.where
 
     def answer(self, ending: Ending, key: str = KEY, **fields: Any) -> None:
         """Send this rank's result, as a worker does."""
@@ -151,17 +152,53 @@ def test_a_hang_dumps_every_stuck_ranks_stack_and_closes_the_pool(slots: Any) ->
     assert end.must_close
 
 
-def test_a_failing_rank_gives_its_waiting_peers_the_grace_not_the_timeout(slots: Any) -> None:
+def test_a_peer_waiting_on_the_failed_rank_gets_the_grace_not_the_timeout(slots: Any) -> None:
+    for sign in ("labelled collective", "operation issued past it"):
+        ranks = slots(2)
+        if sign == "labelled collective":
+            ranks[0].where = "all_reduce('batch')"
+        else:
+            ranks[0].issued, ranks[1].issued = 3, 2
+        ranks[1].answer(Ending.RAISED, exc_type="builtins.ValueError", message="bad")
+        dumps = Dumps()
+        end = _run(ranks, timeout_s=30.0, dumps=dumps)  # returns after the 0.2 s grace
+        root, peer = end.outcomes[1], end.outcomes[0]
+        assert root.ending is Ending.RAISED
+        assert peer.ending is Ending.HUNG and peer.after_failure, sign
+        assert peer.notes[0].startswith("still running ") and "after a peer failed" in peer.notes[0]
+        assert dumps.asked == [[0]]
+        assert end.must_close
+
+
+def test_a_peer_not_waiting_on_the_failed_rank_ends_on_its_own_after_the_grace(
+    slots: Any,
+) -> None:
+    """No time decides a verdict: a peer with no sign of waiting on the failed rank (outside
+    any collective, nothing issued past it) is waited for beyond the grace, and its own
+    ending counts; if it never ends, it hangs at the timeout on its own account."""
     ranks = slots(2)
-    ranks[1].answer(Ending.RAISED, exc_type="builtins.ValueError", message="bad")
-    dumps = Dumps()
-    end = _run(ranks, timeout_s=30.0, dumps=dumps)  # returns after the 0.2 s grace
-    root, peer = end.outcomes[1], end.outcomes[0]
-    assert root.ending is Ending.RAISED
-    assert peer.ending is Ending.HUNG and peer.after_failure
-    assert peer.notes[0].startswith("still running ") and "after a peer failed" in peer.notes[0]
-    assert dumps.asked == [[0]]
-    assert end.must_close
+    ranks[0].answer(Ending.RAISED, exc_type="builtins.ValueError", message="first")
+    ranks[0].settle()
+
+    def slow_rank_1() -> None:
+        threading.Event().wait(0.6)  # three times the grace
+        ranks[1].answer(Ending.RAISED, exc_type="builtins.KeyError", message="its own")
+        ranks[1].settle()
+
+    thread = threading.Thread(target=slow_rank_1)
+    thread.start()
+    end = _run(ranks, timeout_s=30.0)
+    thread.join()
+    assert [(o.ending, o.message) for o in end.outcomes] == [
+        (Ending.RAISED, "first"),
+        (Ending.RAISED, "its own"),
+    ]
+    ranks = slots(2)
+    ranks[0].answer(Ending.RAISED, exc_type="builtins.ValueError", message="first")
+    end = _run(ranks, timeout_s=1.0)
+    peer = end.outcomes[1]
+    assert peer.ending is Ending.HUNG and not peer.after_failure
+    assert peer.notes == ["still running at the 1 s timeout; killed"]
 
 
 def test_an_expected_failure_leaves_the_peers_their_whole_bound(slots: Any) -> None:
