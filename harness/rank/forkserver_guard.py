@@ -4,15 +4,18 @@ Makes the server a child subreaper, so a rank's descendants stay in its tree eve
 rank dies first, and kills that whole tree when the server exits. The server exits when the
 pytest process that started it is gone, however it went (a normal end, Ctrl-C, SIGTERM or
 SIGKILL), so no descendant of a rank outlives pytest by more than a moment; and, pytest
-being gone, it removes the session's work directory (its ranks' files) as it goes. It is in
-pytest's process group, so a signal to the whole group (`timeout`, a CI job cancelled, a
-terminal closed) reaches it too: SIGTERM and SIGHUP, which would end it at once without its
-exit handlers, kill the tree first.
+being gone, it removes the session's work directory (its ranks' files) as it goes. It leaves
+pytest's process group for one of its own: a signal to the whole group (`timeout`, a CI job
+cancelled, a terminal closed, a runner's SIGKILL to every process of the job) ends pytest,
+and the server, still alive, then kills the ranks and what they started. SIGTERM and SIGHUP
+sent to the server itself, which would end it at once without its exit handlers, kill the
+tree first.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import warnings
@@ -45,6 +48,11 @@ def end_with_the_tree(signum: int, _frame: FrameType | None) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
+
+# Out of pytest's process group: SIGKILL to that group must leave the one process that can
+# still end the ranks' orphaned children (Ctrl-C reaches pytest, which ends the session).
+with contextlib.suppress(OSError):
+    os.setpgid(0, 0)
 
 if reaper.become_subreaper():
     # The server reaps every child; adopted orphans are not the ones it started.
