@@ -214,12 +214,30 @@ def _crash_line_only(report: pytest.TestReport) -> None:
         crash.message = message.split("\n", 1)[0]
 
 
+# The reports pytest_runtest_logreport is handling now: the terminal's -v line for each.
+_logging: list[pytest.TestReport] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> Any:
+    _logging.append(report)
+    try:
+        return (yield)
+    finally:
+        _logging.pop()
+
+
 @pytest.hookimpl(wrapper=True, specname="pytest_report_teststatus")
 def pytest_report_teststatus_with_world(report: pytest.TestReport, config: pytest.Config) -> Any:
-    """-v's word for a ranks test says how many ranks it ran on: "PASSED on 4 ranks"."""
+    """-v's word for a ranks test says how many ranks it ran on: "PASSED on 4 ranks", on
+    the line pytest writes as the test ends, whose node id comes first. Everywhere else
+    (the short summary, xdist's lines, rerunfailures' summary) the word stays pytest's
+    own, followed by the node id as CI tools read it."""
     status = yield
     world = getattr(report, "harness_world_size", None)
     if world is None or not status or config.getoption("verbose", 0) <= 0:
+        return status
+    if report not in _logging or hasattr(report, "node"):  # `node`: xdist's controller
         return status
     category, letter, word = status
     if not word:

@@ -236,8 +236,17 @@ def test_pytest_rerunfailures_reruns_a_ranks_test_on_fresh_ranks(
 ) -> None:
     monkeypatch.setenv("FLAKY_DIR", str(pytester.path))
     pytester.makepyfile(FLAKY)
-    run = _session(pytester, "pytest", "-p", "harness", "-p", "rerunfailures", "--reruns", "1")
+    run = _session(pytester, "pytest", "-p", "harness", "-p", "rerunfailures", "--reruns", "1",
+                   "-v", "-rAR")  # fmt: skip
     assert "2 passed, 2 rerun" in run.stdout, run.stdout[-3000:]
+    # Its summary keeps pytest's `WORD nodeid` shape (it said `RERUN on 4 ranks test_...`).
+    summary = run.stdout.split("rerun test summary info")[-1]
+    reruns = [line for line in summary.splitlines() if line.startswith("RERUN ")]
+    assert len(reruns) == 2, summary
+    assert all(line.split()[1].endswith("::test_fails_once_per_world[ranks4]")
+               or line.split()[1].endswith("::test_fails_once_per_world[ranks2]")
+               for line in reruns), summary  # fmt: skip
+    assert " on 4 ranks" not in summary and " on 2 ranks" not in summary, summary
 
 
 @pytest.mark.parametrize("fresh", [False, True])

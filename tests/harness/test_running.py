@@ -114,6 +114,47 @@ def test_dash_v_shows_each_tests_world_size(inner: pytest.Pytester) -> None:
     assert "test_plain PASSED on" not in result.stdout.str()
 
 
+def test_summary_lines_keep_pytests_word_nodeid_shape(inner: pytest.Pytester) -> None:
+    """`-v -rA` printed `FAILED on 2 ranks test_v.py::test_r[ranks2] - ...` in the short
+    summary, and xdist's `-v` `[gw1] [ 50%] PASSED on 2 ranks test_v.py::...`: CI tools read
+    the second field as the node id. Only -v's own line, where the node id comes first,
+    says how many ranks ran."""
+    inner.makepyfile(
+        test_v="""
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_r(rank):
+            assert rank == 0
+
+        @pytest.mark.ranks(2)
+        def test_ok(rank):
+            pass
+
+        @pytest.mark.ranks(2)
+        def test_skip(rank):
+            pytest.skip("not today")
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v", "-rA")
+    result.stdout.fnmatch_lines(
+        [
+            "test_v.py::test_r[[]ranks2[]] FAILED on 2 ranks*",
+            "*short test summary info*",
+            "PASSED test_v.py::test_ok[[]ranks2[]]",
+            "SKIPPED [[]1[]] test_v.py:*: not today",
+            "FAILED test_v.py::test_r[[]ranks2[]] - Failed: rank 1 failed*",
+        ],
+        consecutive=False,
+    )
+    summary = result.stdout.str().split("short test summary info")[1]
+    assert " on 2 ranks" not in summary, summary
+    result = inner.runpytest_subprocess("-p", "harness", "-v", "-n", "2", "-rA")
+    text = result.stdout.str()
+    assert " on 2 ranks" not in text, text
+    result.stdout.fnmatch_lines(["[[]gw?[]] [[]*[]] FAILED test_v.py::test_r[[]ranks2[]]*"])
+
+
 def test_a_bad_size_is_that_tests_error_naming_the_marker(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
