@@ -84,6 +84,21 @@ def _await_dumps(paths: list[Path]) -> None:
         time.sleep(_POLL_S)
 
 
+CRASH_SHOWN = 64 * 1024  # bytes of a crash's dump read: a deep recursion's stops at 100 frames
+
+
+def crash_stack(path: Path) -> str:
+    """What faulthandler wrote on a rank's fatal signal (the crashing thread's stack, down
+    to the test's frames, each with its source line); empty if the rank wrote none."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(CRASH_SHOWN).decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if not line.startswith("Extension modules:")]
+    return trim_stack("\n".join(lines)).strip()
+
+
 def trim_stack(text: str) -> str:
     """Drop the harness's and multiprocessing's frames below the user's code in each thread."""
     kept: list[str] = []

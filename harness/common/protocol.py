@@ -337,6 +337,7 @@ class RankFiles:
     where: Path  # the where-buffer (WHERE_SIZE bytes, memory-mapped by the rank)
     log: Path  # the log records the rank captured during the run (RankSpec.log_capture)
     issued: Path  # ISSUED_SIZE bytes, memory-mapped: operations issued on its group this test
+    crash: Path  # faulthandler's stack of a fatal signal (SIGSEGV, SIGABRT, ...) in this run
 
     @classmethod
     def in_dir(cls, directory: Path, rank: int) -> RankFiles:
@@ -347,6 +348,7 @@ class RankFiles:
             directory / f"rank{rank}.where",
             directory / f"rank{rank}.log",
             directory / f"rank{rank}.issued",
+            directory / f"rank{rank}.crash",
         )
 
 

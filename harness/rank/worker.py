@@ -88,7 +88,7 @@ def _bootstrap(files: RankFiles) -> _Rank:
     os.setpgrp()  # our own process group: the pool kills the rank and anything it started
     _redirect_output(files)
     logs.use_file(files.log)
-    stacks = _StackDump(files.stacks)
+    stacks = _StackDump(files.stacks, files.crash)
     _WhereBoard(str(files.where)).observe_points()
     kept_group.watch_operations()
     kept_group.share_issued_count(str(files.issued))
@@ -201,28 +201,33 @@ def _redirect_output(files: RankFiles) -> None:
 
 
 class _StackDump:
-    """SIGUSR1 dumps every thread's stack to the rank's stacks file (faulthandler), and is
-    set so again after a test that closed the file or took the signal."""
+    """faulthandler, writing to the rank's files: SIGUSR1 dumps every thread's stack to the
+    stacks file (a hang's report), and a fatal signal (SIGSEGV, SIGABRT, ...) the crashing
+    thread's to the crash file (where the rank died, as plain pytest shows it). Set so
+    again after a test that closed a file, took the signal or turned faulthandler off."""
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._file: Any = None
-        self._id: tuple[int, int] = (0, 0)
+    def __init__(self, path: Path, crash: Path) -> None:
+        self._paths = (path, crash)
+        self._files: tuple[Any, Any] = (None, None)
+        self._ids: tuple[tuple[int, int], ...] = ()
         self._watch()
 
     def _watch(self) -> None:
-        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         # Never closed by the object: a test may have closed an earlier one's fd, whose number
         # can belong to something else by now.
-        self._file = open(fd, "a", closefd=False)  # noqa: SIM115 - must outlive this frame
-        self._id = state.file_id(fd)
-        faulthandler.register(DUMP_STACKS_SIGNAL, file=self._file, all_threads=True)
+        fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for p in self._paths]
+        stacks, crash = (open(fd, "a", closefd=False) for fd in fds)  # noqa: SIM115
+        self._files, self._ids = (stacks, crash), tuple(state.file_id(fd) for fd in fds)
+        faulthandler.register(DUMP_STACKS_SIGNAL, file=stacks, all_threads=True)
+        faulthandler.enable(file=crash, all_threads=False)
 
     def _still_watched(self) -> bool:
         if signal.getsignal(DUMP_STACKS_SIGNAL) != signal.SIG_DFL:
             return False
+        if not faulthandler.is_enabled():
+            return False
         try:
-            return state.file_id(self._file.fileno()) == self._id
+            return tuple(state.file_id(f.fileno()) for f in self._files) == self._ids
         except (OSError, ValueError):
             return False
 
@@ -230,6 +235,7 @@ class _StackDump:
         if not self._still_watched():
             signal.signal(DUMP_STACKS_SIGNAL, signal.SIG_DFL)  # Python's view: no handler
             faulthandler.unregister(DUMP_STACKS_SIGNAL)  # else register keeps what it has
+            faulthandler.disable()
             self._watch()
 
 

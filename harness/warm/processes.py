@@ -99,7 +99,7 @@ class Slot:
         through O_APPEND descriptors, so its next write lands at the start; were the rank to
         empty them when it reads its task, live output read before then would echo the last
         test's lines and then skip as many bytes of this test's."""
-        for path in (self.files.stdout, self.files.stderr):
+        for path in (self.files.stdout, self.files.stderr, self.files.crash):
             with contextlib.suppress(OSError):
                 os.truncate(path, 0)
 

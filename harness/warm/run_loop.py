@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from harness.common.hygiene import UNDONE
 from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.common.protocol import DropGroup, Kind, Message, RankFiles, RunTask
-from harness.stacks import dump_stacks
+from harness.stacks import crash_stack, dump_stacks
 from harness.warm import collective_match
 from harness.warm.live_output import BOUND_POLL_S, LIVE_POLL_S, RunOutput, tail
 
@@ -328,6 +328,8 @@ class RunLoop:
         outcome = outcome_from_exitcode(
             self.key, slot.rank, slot.pid, slot.process.exitcode, time.monotonic()
         )
+        if outcome.ending is Ending.SIGNALLED:
+            outcome.traceback = crash_stack(slot.files.crash)  # where it crashed, if it did
         self._record(outcome)
 
     def _record(self, outcome: RankOutcome) -> None:

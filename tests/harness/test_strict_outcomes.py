@@ -72,6 +72,44 @@ def test_the_root_cause_section_has_values_traceback_and_output(inner: pytest.Py
     result.stdout.fnmatch_lines(["FAILED *test_rank1* - Failed: rank 1 failed: raised Assert*"])
 
 
+def test_a_rank_that_crashes_shows_where_it_crashed(inner: pytest.Pytester) -> None:
+    """A segfault's verdict was right but its section empty, where plain pytest shows
+    faulthandler's stack down to the test's line: the rank's section shows that stack,
+    its frames with their source lines, without the harness's frames below the test."""
+    inner.makepyfile(
+        test_crash="""
+        import ctypes
+        import pytest
+
+        def crash_here():
+            ctypes.string_at(0)
+
+        @pytest.mark.ranks(2)
+        def test_crash(rank):
+            if rank == 1:
+                crash_here()
+
+        @pytest.mark.ranks(2)
+        def test_next_is_clean(rank):
+            pass
+        """
+    )
+    result = inner.runpytest("-p", "harness")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 1 (pid *): died of SIGSEGV [[]root cause[]]*",
+            "Fatal Python error: Segmentation fault",
+            "*test_crash.py*, line 5 in crash_here",
+            "    ctypes.string_at(0)",
+            "*test_crash.py*, line 10 in test_crash",
+            "    crash_here()",
+        ]
+    )
+    text = result.stdout.str()
+    assert "harness/rank/" not in text and "multiprocessing" not in text, text
+
+
 def test_the_first_failure_in_time_is_the_root_cause_not_rank_order(
     inner: pytest.Pytester,
 ) -> None:
