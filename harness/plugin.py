@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, packing, runner, seam, seeds, settings, specs
+from harness import junit_labels, made_in_ranks, packing, runner, seam, seeds, settings, specs
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
@@ -91,6 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
             config.pluginmanager.register(plugin, "harness-launched")
     if launch is None:
         torch_import_warnings.raise_again(kept)  # shown now, as if never held
+    junit_labels.register(config)
     if config.pluginmanager.hasplugin("xdist"):  # its workers seed from this process's seed
         config.pluginmanager.register(seeds.XdistHooks(session_settings.seed), "harness-seeds")
 

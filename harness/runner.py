@@ -88,6 +88,7 @@ def _search_on_ranks(item: pytest.Function, spec: RankSpec) -> None:
 
     try:
         hypothesis_search.search(item, example, judged)
+        raise_warnings_made_errors(item)
     except pytest.fail.Exception as failed:
         notes = getattr(failed, "__notes__", [])  # hypothesis's falsifying example, shown
         if not notes:
@@ -127,6 +128,7 @@ def after_body(
     if reports_output:  # every rank's, passing or not, as pytest keeps a plain test's
         attach_output(item, outcomes)
     (judged_by or judge)(item, spec, outcomes)
+    raise_warnings_made_errors(item)
 
 
 def stop_if_a_rank_did(outcomes: list[RankOutcome]) -> None:
@@ -146,13 +148,13 @@ def _warn_of_returned_values(item: pytest.Item, outcomes: list[RankOutcome]) -> 
     returned = [o for o in outcomes if o.ending is Ending.RETURNED and o.value_repr]
     if returned:
         ranks = ranks_phrase([o.rank for o in returned])
-        warnings.warn(
+        _warn(
+            item,
             pytest.PytestReturnNotNoneWarning(
                 f"test functions should return None, but {item.nodeid} returned "
                 f"{returned[0].value_repr} on {ranks}; use assert (or run_on_ranks to get "
                 f"values back)"
             ),
-            stacklevel=1,
         )
 
 
@@ -169,7 +171,32 @@ def warn_of_replaced_ranks(item: pytest.Item, outcomes: list[RankOutcome]) -> No
         if threads
         else ""
     )
-    warnings.warn(RanksReplacedWarning(f"{item.nodeid}: {'; '.join(why)}{hint}"), stacklevel=1)
+    _warn(item, RanksReplacedWarning(f"{item.nodeid}: {'; '.join(why)}{hint}"))
+
+
+_warning_errors_key = pytest.StashKey[list[str]]()
+
+
+def _warn(item: pytest.Item, warning: Warning) -> None:
+    """Warn as the harness, on the test's behalf. Where the session's filters make the
+    warning an error (-W error, filterwarnings), the test fails with its words alone, as
+    pytest fails a plain test on its own warnings, once its ranks' output is attached."""
+    try:
+        warnings.warn(warning, stacklevel=1)
+    except Warning as exc:
+        text = (
+            f"{type(exc).__name__} (an error under this session's warning filters: -W "
+            f"error or filterwarnings): {exc}"
+        )
+        item.stash.setdefault(_warning_errors_key, []).append(text)
+
+
+def raise_warnings_made_errors(item: pytest.Item) -> None:
+    """Fail the test with the harness's warnings that the filters made errors, if any."""
+    texts = item.stash.get(_warning_errors_key, [])
+    if texts:
+        del item.stash[_warning_errors_key]
+        raise pytest.fail.Exception("\n".join(texts), pytrace=False)
 
 
 def with_fixture_faults(item: pytest.Function, spec: RankSpec) -> RankSpec:

@@ -186,8 +186,50 @@ def test_passing_tests_keep_every_ranks_output(inner: pytest.Pytester) -> None:
             "out of 1",
         ]
     )
+    # junit's <system-out> joins the sections without their titles: each line says its rank.
     xml = (inner.path / "out.xml").read_text()
-    assert "out of 0" in xml and "out of 1" in xml and "err of 1" in xml
+    for line in ("[rank 0] out of 0", "[rank 1] out of 1", "[rank 1] err of 1"):
+        assert line in xml, xml
+    assert "\nout of 0" not in xml, xml
+    # ... while the terminal's sections, titled with the rank, show the lines as printed.
+    result.stdout.no_fnmatch_line("*[[]rank 0[]] out of 0*")
+
+
+def test_a_warning_the_filters_make_an_error_fails_the_test_in_its_own_words(
+    inner: pytest.Pytester,
+) -> None:
+    """Under -W error, RanksReplacedWarning failed a passing test with a 53-line traceback
+    through the harness: it fails it as pytest fails a test on a warning, in one message."""
+    inner.makepyfile(
+        """
+        import threading, pytest
+
+        @pytest.mark.ranks(2)
+        def test_leaves_a_daemon_thread(rank):
+            print(f"output of {rank}")
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+        @pytest.mark.ranks(2)
+        def test_returns_a_value(rank):
+            return rank
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-W", "error", "-rP")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*RanksReplacedWarning (an error under this session's warning filters: -W error or "
+            "filterwarnings): *test_leaves_a_daemon_thread*: rank 0 left daemon threads*",
+            "*Captured stdout [[]rank 0[]] call*",
+            "output of 0",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*PytestReturnNotNoneWarning (an error under*"])
+    text = result.stdout.str()
+    assert "harness/runner.py" not in text and "warnings.warn" not in text, text
+    result = inner.runpytest("-p", "harness", "-W", "error", "-W",
+                             "ignore::harness.RanksReplacedWarning", "-k", "daemon")  # fmt: skip
+    result.assert_outcomes(passed=1)
 
 
 def test_xfail_in_ranks_is_reported_as_plain_pytest_does(inner: pytest.Pytester) -> None:
