@@ -106,3 +106,14 @@ def time_pytest_run(
 ) -> dict[str, float]:
     """Each test's wall time in seconds, in run order."""
     return run_pytest(test_source, args, timeout, conftest)["times"]  # type: ignore[no-any-return]
+
+
+def missed(lines: list[str]) -> bool:
+    """Whether a result says a target was missed (a line "- MISSED: ...")."""
+    return any(line.startswith("- MISSED") for line in lines)
+
+
+def print_and_exit(lines: list[str]) -> None:
+    """A benchmark run alone: print its lines, and exit non-zero if it missed a target."""
+    print("\n".join(lines), flush=True)
+    sys.exit(1 if missed(lines) else 0)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import TIMING_CONFTEST, run_pytest
+from benchmarks._common import TIMING_CONFTEST, missed, run_pytest
 
 PASSING = 24
 WORLD_SIZE = 2
@@ -480,13 +480,18 @@ def _cli() -> None:
     parser.add_argument("--deepspeed-src", help="a DeepSpeed checkout (for --suite deepspeed)")
     parser.add_argument("--python", help="the Python that runs DeepSpeed's tests (default: this)")
     options = parser.parse_args()
+    lines: list[str] = []
     for name, suite in SUITES.items():
         if options.suite in (name, "all"):
-            print("\n".join(suite()), flush=True)
+            lines += suite()
+            print("\n".join(lines), flush=True)
     if options.suite == "deepspeed" or (options.suite == "all" and options.deepspeed_src):
         from benchmarks.adopt_deepspeed import deepspeed_suite
 
-        print("\n".join(deepspeed_suite(options.deepspeed_src, options.python)), flush=True)
+        found = deepspeed_suite(options.deepspeed_src, options.python)
+        print("\n".join(found), flush=True)
+        lines += found
+    sys.exit(1 if missed(lines) else 0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks._common import Sample, time_pytest_run
+from benchmarks._common import Sample, print_and_exit, time_pytest_run
 
 TARGET = 1.05
 SOURCE = """
@@ -79,4 +79,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

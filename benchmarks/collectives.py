@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import start_processes
 
-from benchmarks._common import Sample
+from benchmarks._common import Sample, print_and_exit
 
 WORLD = 4
 MIB = 1024 * 1024
@@ -283,4 +283,4 @@ def main(sizes_mib: tuple[int, ...] = (1, 16, 64, 256)) -> tuple[list[str], list
 
 if __name__ == "__main__":
     sizes = tuple(int(a) for a in sys.argv[1:]) or (1, 16, 64, 256)
-    print("\n".join(main(sizes)[0]))
+    print_and_exit(main(sizes)[0])

@@ -16,7 +16,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from benchmarks._common import ROOT, Sample
+from benchmarks._common import ROOT, Sample, print_and_exit
 
 WORLD = 4
 RUNS = 5
@@ -143,4 +143,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

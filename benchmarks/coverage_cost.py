@@ -8,7 +8,7 @@ coverage (every rank traces, and saves its data after each test) against a plain
 
 from __future__ import annotations
 
-from benchmarks._common import Sample, run_pytest
+from benchmarks._common import Sample, print_and_exit, run_pytest
 
 TESTS = 60
 MEASURED = """
@@ -74,4 +74,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import TIMING_CONFTEST
+from benchmarks._common import TIMING_CONFTEST, print_and_exit
 
 ROUNDS = 5
 TARGET = 1.5
@@ -130,4 +130,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

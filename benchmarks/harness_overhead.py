@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Sample, run_pytest, time_pytest_run
+from benchmarks._common import Sample, print_and_exit, run_pytest, time_pytest_run
 
 SIZES = (2, 4, 8)
 PEER_TIMEOUT_S = 10  # the short group timeout given to the peers' failure runs
@@ -561,4 +561,4 @@ def _outcome(run: dict[str, dict[str, str]]) -> str:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()[0]))
+    print_and_exit(main()[0])

@@ -14,7 +14,7 @@ import statistics
 import sys
 from typing import Any
 
-from benchmarks._common import run_pytest
+from benchmarks._common import print_and_exit, run_pytest
 
 ROUNDS = 3
 TARGET = 1.5
@@ -109,4 +109,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

@@ -16,6 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import print_and_exit
+
 GROUPS = 30
 ROUNDS = 3
 TARGET = 1.25
@@ -88,4 +90,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

@@ -20,7 +20,7 @@ from benchmarks import (
     suite,
     wire,
 )
-from benchmarks._common import machine
+from benchmarks._common import machine, missed
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
 
@@ -81,7 +81,7 @@ def main() -> int:
     _write(lines)
     print("\n".join(lines))
     print(f"\nwrote {RESULTS}")
-    return 1 if any(line.startswith("- MISSED") for line in lines) else 0
+    return 1 if missed(lines) else 0
 
 
 def _write(lines: list[str]) -> None:

@@ -14,7 +14,7 @@ import hmac
 import statistics
 import time
 
-from benchmarks._common import Sample, time_pytest_run
+from benchmarks._common import Sample, print_and_exit, time_pytest_run
 
 TESTS = 60
 SOURCE = f"""
@@ -80,4 +80,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._common import ROOT
+from benchmarks._common import ROOT, print_and_exit
 
 
 def run_suite(*extra: str) -> tuple[float, str]:
@@ -50,4 +50,4 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks._common import Sample
+from benchmarks._common import Sample, print_and_exit
 
 MIB = 1024 * 1024
 RUNS = 3
@@ -78,4 +78,4 @@ def main(size_mib: int = 256) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(main()))
+    print_and_exit(main())

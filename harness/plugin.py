@@ -138,6 +138,15 @@ def pytest_collection(session: pytest.Session) -> None:
     warm.start_server_early(session.config)
 
 
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    """A test module whose text names the ranks marker or fixtures, before pytest imports it
+    (a new clone has no cache that says ranks were started): the fork server starts now, so
+    torch's import there overlaps this module's import of torch here."""
+    config = parent.config
+    if warm.early_start_pending(config) and preload.names_ranks(file_path, config):
+        warm.start_server_early(config, ranks_collected=True)
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     """At the session's first ranks test, if its server has not started yet: the rest of
     the collection (every later test module) overlaps torch's import in the server."""

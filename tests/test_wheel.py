@@ -136,5 +136,10 @@ def test_the_wheel_holds_every_module_and_its_metadata(built: Path) -> None:
     assert {n.split("/")[0] for n in names} == {"rankwise", "harness", info.split("/")[0]}
     assert "[pytest11]\nharness = harness" in entry_points
     assert "Requires-Dist: torch>=2.6" in metadata
+    # `pip install "rankwise[pytest]"` brings the harness's pytest; the license is an SPDX
+    # expression (setuptools' license table is deprecated).
+    assert "Provides-Extra: pytest" in metadata
+    assert 'Requires-Dist: pytest>=8; extra == "pytest"' in metadata
+    assert "License-Expression: Apache-2.0" in metadata
     assert "Requires-Python: >=3.10" in metadata
     assert f"Version: {version('rankwise')}" in metadata

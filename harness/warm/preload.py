@@ -18,6 +18,7 @@ imported it, and by a server started early from where it can be found as collect
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.machinery
 import importlib.util
 import os
@@ -118,6 +119,32 @@ def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> 
         return None
     found = [name for name in sorted(adopted_libraries(config)) if _findable(name)]
     return [*(_trusted(last) if isinstance(last, list) else []), *found]
+
+
+# What a test module's text says when it has ranks tests: read before pytest imports it.
+RANKS_WORDS = (b"mark.ranks", b"run_on_ranks", b"rank_pool")
+RANKS_READ = 1 << 20  # bytes of a module read for them, at most
+
+
+def names_ranks(path: Path, config: pytest.Config) -> bool:
+    """Whether `path` is a test module pytest will import (named on the command line, or
+    matching python_files below a directory that is) whose text names the ranks marker or
+    fixtures. pytest also offers the files beside a file named alone: not imported."""
+    if path.suffix != ".py":
+        return False
+    asked = [config.invocation_params.dir / arg.split("::")[0] for arg in config.args]
+    asked = [a.resolve() for a in asked]
+    if path not in asked:
+        below = any(a in path.parents for a in asked if a.is_dir())
+        patterns = config.getini("python_files")
+        if not below or not any(fnmatch.fnmatch(path.name, p) for p in patterns):
+            return False
+    try:
+        with open(path, "rb") as f:
+            text = f.read(RANKS_READ)
+    except OSError:
+        return False
+    return any(word in text for word in RANKS_WORDS)
 
 
 def _findable(top: str) -> bool:

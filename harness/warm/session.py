@@ -180,6 +180,11 @@ def pools_of(config: pytest.Config) -> Pools:
 _early_tried_key = pytest.StashKey[bool]()
 
 
+def early_start_pending(config: pytest.Config) -> bool:
+    """Whether the fork server's early start was not tried yet this session."""
+    return not config.stash.get(_early_tried_key, False)
+
+
 def start_server_early(config: pytest.Config, ranks_collected: bool = False) -> None:
     """Start the ranks' fork server while pytest collects, where ranks will likely be
     needed (see preload.start_early_wanted): torch's import overlaps the collection. Tried

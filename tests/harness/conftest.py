@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,6 +21,19 @@ import os, signal, sys, threading, pytest, torch, torch.distributed as dist
 import rankwise as rw
 from harness import aborts, exits, hangs, killed, raises, returns
 """
+
+
+def shell_job_running_pytest(*args: str) -> list[str]:
+    """`python -m pytest *args`, started with SIGINT and SIGHUP at their defaults, as a shell
+    starts a job: under `nohup make test-slow &` this process ignores both (nohup ignores
+    SIGHUP; a background job of a non-interactive shell ignores SIGINT), and a child
+    inherits that, so an inner session would not stop on the Ctrl-C or hang-up a test sends."""
+    trampoline = (
+        "import os, signal, sys; "
+        "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)]; "
+        "os.execv(sys.executable, [sys.executable, '-m', 'pytest', *sys.argv[1:]])"
+    )
+    return [sys.executable, "-c", trampoline, *args]
 
 
 def alive(pid: int) -> bool:

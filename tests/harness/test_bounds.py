@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from tests.harness.conftest import alive, assert_all_gone, kill_quietly, read_pids, wait_until
+from tests.harness.conftest import (
+    alive,
+    assert_all_gone,
+    kill_quietly,
+    read_pids,
+    shell_job_running_pytest,
+    wait_until,
+)
 
 HANGS_ON_RANK1 = """
 import os, time, pytest, torch.distributed as dist
@@ -165,7 +172,7 @@ def test_ini_options_set_the_world(pytester: pytest.Pytester) -> None:
 def test_ctrl_c_leaves_no_rank_behind(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(HANGS_ON_RANK1.format(marker_args="(timeout=120)"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "harness", "-x", str(pytester.path)],
+        shell_job_running_pytest("-p", "harness", "-x", str(pytester.path)),
         cwd=pytester.path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

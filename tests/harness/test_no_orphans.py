@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.conftest import alive, assert_all_gone, kill_quietly, wait_until
+from tests.harness.conftest import (
+    alive,
+    assert_all_gone,
+    kill_quietly,
+    shell_job_running_pytest,
+    wait_until,
+)
 
 # Each rank starts a child in its own session, one in a new session, and a grandchild
 # orphaned at once (its parent exits) in a new session; it records their pids.
@@ -142,10 +148,8 @@ def test_hangs_with_children(rank):
     threading.Event().wait()
 """
     )
-    if how == "SIGHUP to the group":  # a shell's job, even where this session runs under nohup
-        pytester.makeconftest("import signal\nsignal.signal(signal.SIGHUP, signal.SIG_DFL)\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        shell_job_running_pytest("-p", "harness", str(pytester.path)),
         cwd=pytester.path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

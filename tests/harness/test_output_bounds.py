@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.conftest import wait_until
+from tests.harness.conftest import shell_job_running_pytest, wait_until
 
 FLOODS = """
 import os, sys, threading
@@ -130,7 +130,7 @@ def test_a_stopped_session_leaves_nothing_in_tmpdir(
     marks.mkdir()
     env = {**os.environ, "TMPDIR": str(tmpdir), "MARKS": str(marks)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "harness", str(pytester.path)],
+        shell_job_running_pytest("-p", "harness", str(pytester.path)),
         cwd=pytester.path,
         env=env,
         stdout=subprocess.DEVNULL,

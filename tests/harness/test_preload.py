@@ -200,6 +200,34 @@ def test_the_fork_server_starts_during_collection_where_ranks_are_needed(
     run("--rank-preload", "none", "test_early.py").assert_outcomes(passed=2)
 
 
+IMPORTED_AFTER_THE_START = """
+import multiprocessing.forkserver, pytest
+
+# The module's own imports (torch, here) would overlap the server's import of torch.
+SERVER_AT_IMPORT = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+
+
+def test_the_server_was_there_as_the_module_was_imported():
+    assert SERVER_AT_IMPORT
+
+
+def test_ranks(run_on_ranks):
+    pass
+"""
+
+
+def test_in_a_fresh_clone_the_server_starts_before_a_ranks_module_is_imported(
+    inner: pytest.Pytester,
+) -> None:
+    """A one-test session in a fresh directory (a new clone, CI) was 1.70x a plain one: the
+    server started at the first ranks test collected, after its module had imported torch
+    here. It starts as pytest finds a test module whose text names the ranks marker or
+    fixtures, before importing it (1.20x, benchmarks/first_test.py)."""
+    _project(inner)
+    inner.makepyfile(test_early=IMPORTED_AFTER_THE_START)
+    inner.runpytest_subprocess("-p", "harness", "-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
 def test_what_the_fork_server_prints_goes_into_a_report_or_nowhere(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

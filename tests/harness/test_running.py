@@ -155,6 +155,52 @@ def test_summary_lines_keep_pytests_word_nodeid_shape(inner: pytest.Pytester) ->
     result.stdout.fnmatch_lines(["[[]gw?[]] [[]*[]] FAILED test_v.py::test_r[[]ranks2[]]*"])
 
 
+def test_with_the_plugin_off_a_test_that_needs_it_says_so(pytester: pytest.Pytester) -> None:
+    """`-p no:harness` gave "fixture 'rank' not found" (and under --strict-markers, "'ranks'
+    not found in `markers`"), with no hint that the plugin was off or what to do."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ranks(2)
+        def test_marked(rank):
+            pass
+
+        def test_uses_a_fixture(run_on_ranks):
+            pass
+
+        def test_plain():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:harness", "--strict-markers", "-rE")
+    result.assert_outcomes(errors=2, passed=1)  # at set-up, as a missing fixture is
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_marked is marked ranks, and the harness plugin is off (-p no:harness): "
+            "drop -p no:harness to run it, or deselect such tests (-m 'not ranks', or -k)",
+            "*::test_uses_a_fixture uses the harness's fixture 'run_on_ranks', and the harness "
+            "plugin is off*",
+        ]
+    )
+    deselected = pytester.runpytest_subprocess("-p", "no:harness", "-m", "not ranks", "-k", "plain")
+    deselected.assert_outcomes(passed=1)
+
+
+def test_the_off_hint_knows_every_marker_and_fixture_of_the_harness(
+    pytester: pytest.Pytester,
+) -> None:
+    from harness import off_hint
+    from harness.plugin import MARKERS
+
+    assert sorted(off_hint.MARKERS) == sorted(line.split("(")[0].split(":")[0] for line in MARKERS)
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "harness", "--fixtures")
+    shown = {line.split()[0] for line in result.stdout.lines if line and not line[0].isspace()}
+    ours = {name for name in shown if name in off_hint.FIXTURES}
+    assert ours == set(off_hint.FIXTURES), shown
+
+
 def test_a_bad_size_is_that_tests_error_naming_the_marker(inner: pytest.Pytester) -> None:
     inner.makepyfile(
         """
