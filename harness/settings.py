@@ -139,6 +139,8 @@ def configure(config: pytest.Config) -> Settings:
         launched = launch_detect.detect()
     except launch_detect.LaunchError as exc:
         raise pytest.UsageError(f"harness: {exc}") from None
+    if launched is not None:
+        launch_detect.export(launched)
     try:
         settings = Settings(
             ranks=_from_option(

@@ -48,7 +48,7 @@ def agree_on_backend(launched: LaunchedSession) -> None:
             launched,
             f"harness: not every rank joined the session's own prefix ({why}); unless "
             f"those ranks ended, they were shown another rank's word replaced by a process "
-            f"that reaches torchrun's store (see docs/security.md)",
+            f"that reaches the launch's store (see docs/security.md)",
         )
 
 

@@ -41,8 +41,8 @@ class LaunchedPlugin:
         workers = config.getoption("numprocesses", None)
         if workers not in (None, 0, "0"):
             raise pytest.UsageError(
-                f"harness: under torchrun every launched process is one rank (this is rank "
-                f"{launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's "
+                f"harness: under {launch.launcher} every launched process is one rank (this is "
+                f"rank {launch.rank} of {launch.world_size}); drop -n {workers}: pytest-xdist's "
                 f"workers would each run the tests as another set of ranks"
             )
         self.launched = start(config, launch, settings_of(config).backend)
@@ -226,7 +226,7 @@ class LaunchedRanks:
         why = untrusted_directory(path)
         if why is not None:
             pytest.fail(
-                f"harness: the shared_tmp_path read from torchrun's store ({path}) {why}: it "
+                f"harness: the shared_tmp_path read from the launch's store ({path}) {why}: it "
                 f"was not used (another process writes to this job's store; give the job a "
                 f"secret, see docs/security.md)",
                 pytrace=False,

@@ -333,7 +333,7 @@ class LaunchedSession:
                     f"harness error: the value under {store_key!r} in the launch's store is not "
                     f"an outcome the harness wrote ({exc}); it was ignored, nothing in it was "
                     f"run. Something else writes to this job's store: use a run id no one can "
-                    f"guess and a secret (see docs/torchrun.md)"
+                    f"guess and a secret (see docs/clusters.md)"
                 ),
             )
 

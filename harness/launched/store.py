@@ -39,13 +39,15 @@ class Peers:
     """This rank's client of the launch's store, under a prefix of this attempt of the job."""
 
     def __init__(self, launch: Launch, timeout_s: float, secret: bytes | None = None) -> None:
+        hosts = launch.rank == 0 and not launch.agent_store  # srun, mpirun: rank 0 hosts it
         base = dist.TCPStore(  # type: ignore[attr-defined]
             launch.master_addr,
             launch.master_port,
             world_size=launch.world_size,
-            is_master=launch.rank == 0 and not launch.agent_store,
+            is_master=hosts,
             wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
+            multi_tenant=hosts,  # a test's env:// group on rank 0 reuses it, as torchrun's
         )
         # A restart after a membership change keeps TORCHELASTIC_RESTART_COUNT: count the
         # arrivals instead, so a new attempt never reads the last one's keys.

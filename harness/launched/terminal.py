@@ -80,14 +80,14 @@ def _signatures(reporter: Any, unsigned: bool, refused: list[str]) -> None:
     if unsigned:
         reporter.write_line(
             "harness: this launched session ran unsigned (no HARNESS_SECRET or "
-            "--rank-secret-file): a process that reaches torchrun's store could change a "
+            "--rank-secret-file): a process that reaches the launch's store could change a "
             "verdict, though never run code here; see docs/security.md",
             yellow=True,
         )
     if refused:
         reporter.write_sep("=", "harness: values that failed the signature check", red=True)
         reporter.write_line(
-            f"ignored {len(refused)} value(s) in torchrun's store not signed with this "
+            f"ignored {len(refused)} value(s) in the launch's store not signed with this "
             f"session's secret (another process writes there, or a rank was given another "
             f"secret): {', '.join(refused[:10])}"
         )
