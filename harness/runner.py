@@ -31,6 +31,7 @@ from harness.common.outcome import (
     failure_text,
     ranks_phrase,
     set_up_failure_text,
+    without_cpp_frames,
 )
 from harness.common.protocol import RankSpec
 from harness.seam import ranks_of
@@ -232,7 +233,7 @@ def attach_output(item: pytest.Item, outcomes: list[RankOutcome], during: str = 
         for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
             if text:
                 title = f"{stream} [rank {o.rank}]{f' {during}' if during else ''}"
-                item.add_report_section("call", title, text)
+                item.add_report_section("call", title, without_cpp_frames(text))
 
 
 def attach_import_output(item: pytest.Item) -> None:

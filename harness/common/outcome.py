@@ -27,6 +27,9 @@ class Ending(enum.Enum):
     HARD_EXIT = "hard exit"  # the process ended with an exit status (os._exit, abort paths)
     SIGNALLED = "signalled"  # the process died of a signal
     HUNG = "hung"  # still running at the deadline; stacks dumped, then killed
+    # Under a launch: the rank's node went away or was cut off (every rank of it silent, or
+    # the launch's store it held gone), so no outcome can arrive; `message` says which node.
+    LOST = "lost"
 
 
 # Errors that a rank gets because a peer went away: they are consequences, not causes.
@@ -215,6 +218,8 @@ class RankOutcome:
             return f"process exited with status {self.exit_code}"
         if self.ending is Ending.SIGNALLED:
             return f"died of {signal_name(self.signal)}"
+        if self.ending is Ending.LOST:
+            return self.message or "lost with its node"
         where = self.in_collective
         if where and self.before_exchange:
             return f"hung in {where}, before its exchange"
@@ -273,7 +278,10 @@ def diagnose(outcomes: Sequence[RankOutcome], failed: Sequence[int]) -> Diagnosi
         if found is not None:
             return found
     pool = primary or list(failed)
-    root = min(pool, key=lambda r: (by_rank[r].at, r))
+    # A hang's time is the deadline it was found at, not when it began: a node lost before
+    # then (its ranks silent, or the store gone) is the cause ranks waiting on it hung for.
+    lost = any(by_rank[r].ending is Ending.LOST for r in pool)
+    root = min(pool, key=lambda r: (lost and by_rank[r].ending is Ending.HUNG, by_rank[r].at, r))
     rest = [r for r in failed if r != root]
     collateral = tuple(r for r in rest if r not in primary)
     independent = tuple(r for r in rest if r in primary)
@@ -329,9 +337,15 @@ def summary_line(outcomes: Sequence[RankOutcome], diagnosis: Diagnosis) -> str:
     if diagnosis.root is None:
         return "every rank ended as expected"
     root = by_rank[diagnosis.root]
-    parts = [f"rank {root.rank} failed: {root.describe()}"]
-    if diagnosis.independent:
-        parts.append(f"{ranks_phrase(diagnosis.independent)} also failed")
+    also = list(diagnosis.independent)
+    if root.ending is Ending.LOST:  # a node went away: named once, with all its ranks
+        lost = [root.rank, *(r for r in also if by_rank[r].message == root.message)]
+        also = [r for r in also if r not in lost]
+        parts = [f"{root.describe()} ({ranks_phrase(sorted(lost))})"]
+    else:
+        parts = [f"rank {root.rank} failed: {root.describe()}"]
+    if also:
+        parts.append(f"{ranks_phrase(also)} also failed")
     if diagnosis.collateral:
         parts.append(f"{ranks_phrase(diagnosis.collateral)} collateral")
     return "; ".join(parts)
@@ -375,12 +389,15 @@ def render_report(
     by_rank = {o.rank: o for o in outcomes}
     named = {diagnosis.root, *diagnosis.departed, *diagnosis.out_of_step, *diagnosis.independent}
     brief = [] if style.verbose else [r for r in diagnosis.collateral if r not in named]
+    root = by_rank.get(diagnosis.root) if diagnosis.root is not None else None
     for r in dict.fromkeys(order):
         if r is None or r in brief:
             continue
         o = by_rank[r]
+        if r != diagnosis.root and _lost_alike(o, root):
+            continue  # the root's node, lost with it: named in the summary line
         lines.append(
-            f"{'=' * 8} rank {r} (pid {o.pid}): {o.describe()} [{_role(r, diagnosis)}] {'=' * 8}"
+            f"{'=' * 8} rank {r} ({_pid(o)}): {o.describe()} [{_role(r, diagnosis)}] {'=' * 8}"
         )
         for note in o.notes:
             lines.append(note)
@@ -393,7 +410,7 @@ def render_report(
             for stream, text in (("stdout", o.stdout), ("stderr", o.stderr), ("log", o.log)):
                 if text.strip():
                     lines.append(f"-- rank {r} captured {stream} --")
-                    lines.append(text.rstrip())
+                    lines.append(without_cpp_frames(text).rstrip())
         lines.append("")
     if brief:
         lines += _collateral_lines([by_rank[r] for r in brief])
@@ -409,6 +426,42 @@ class ReportStyle:
     streams: bool = True
 
 
+def _pid(o: RankOutcome) -> str:
+    return f"pid {o.pid}" if o.pid else "pid unknown"  # a lost rank's, where none said it
+
+
+def _lost_alike(o: RankOutcome, root: RankOutcome | None) -> bool:
+    """Whether `o` was lost with the same node as the root cause."""
+    lost = Ending.LOST
+    return (
+        root is not None and o.ending is lost and root.ending is lost and o.message == root.message
+    )
+
+
+def without_cpp_frames(text: str) -> str:
+    """`text` with each C++ backtrace c10 appends to its errors and warnings ("Exception
+    raised from ... (most recent call first):" and its "frame #N: ..." lines) cut to one
+    line: they say nothing a test's author can act on, and run to 60 lines each."""
+    lines: list[str] = []
+    frames = 0
+    for line in text.splitlines(keepends=True):
+        if _CPP_FRAME.match(line):
+            frames += 1
+            continue
+        if frames:
+            lines.append(f"[{frames} C++ frames omitted]\n")
+            frames = 0
+        if not _CPP_RAISED.match(line):
+            lines.append(line)
+    if frames:
+        lines.append(f"[{frames} C++ frames omitted]\n")
+    return "".join(lines)
+
+
+_CPP_FRAME = re.compile(r"^(frame #\d+: |<omitting python frames>)")
+_CPP_RAISED = re.compile(r"^Exception raised from .* \(most recent call first\):")
+
+
 def _collateral_lines(collateral: list[RankOutcome]) -> list[str]:
     """Collateral ranks, one line each: where each waited and what it got; a message that
     repeats (gloo's transport error on every peer) is shown once."""
@@ -418,7 +471,7 @@ def _collateral_lines(collateral: list[RankOutcome]) -> list[str]:
         said = _collateral_phrase(o)
         where = f", waiting in {o.waited_in}" if o.waited_in else ""
         alike = _PEER_ADDRESS.sub("[peer]", said)
-        lines.append(f"rank {o.rank} (pid {o.pid}){where}: {'the same' if alike in seen else said}")
+        lines.append(f"rank {o.rank} ({_pid(o)}){where}: {'the same' if alike in seen else said}")
         seen.add(alike)
     return lines
 

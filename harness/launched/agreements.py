@@ -13,34 +13,63 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import pytest
+import torch
 
 from harness import seeds
+from harness.common.outcome import ranks_phrase
 from harness.launched import records
 from harness.launched.session import AGREE_S, LaunchedSession
+from harness.launched.store import store_is_here
 from harness.settings import settings_of, use_seed
+
+# What each rank says of itself at the start (see agree_on_backend).
+_WORD: dict[str, type | tuple[type, ...]] = {
+    "backend": str,
+    "seed": int,
+    "source": str,
+    "nonce": str,
+    "torch": str,
+    "rankwise": str,
+    "node": str,
+    "store": bool,
+}
 
 
 def agree_on_backend(launched: LaunchedSession) -> None:
-    """Every rank must use the same backend (GPUs may differ between nodes), and seeds its
-    generators from rank 0's session seed. Each rank also gives a random word; the session
-    goes on under a prefix made from them all."""
+    """Every rank must use the same backend (GPUs may differ between nodes) and the same
+    torch and rankwise, and seeds its generators from rank 0's session seed. Each rank says
+    which node it runs on and whether that node holds the launch's store (what a lost node
+    is named by), and gives a random word: the session goes on under a prefix made from
+    them all."""
     assert launched.peers is not None
     seed = settings_of(launched.config).seed
-    said = f"{launched.backend} {seed.value}/{seed.source} {launched.peers.nonce}"
-    found = launched.gather("backend", said, AGREE_S)
-    backends = [_text(b).split(" ")[0] if b is not None else None for b in found]
-    if len(set(backends)) > 1:
-        each = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
-        end_session(
-            launched,
-            f"harness: the launched ranks would use different backends ({each}); give "
-            f"every rank the same --rank-backend",
-        )
-    _take_rank_0s_seed(launched, found[0])
-    launched.peers.freshen([(b or b"").rpartition(b" ")[2] for b in found])
+    mine = {
+        "backend": launched.backend,
+        "seed": seed.value,
+        "source": seed.source,
+        "nonce": launched.peers.nonce,
+        "torch": str(torch.__version__),
+        "rankwise": _rankwise_version(),
+        "node": launched.launch.node_name,
+        "store": store_is_here(launched.launch),
+    }
+    found = launched.gather("backend", json.dumps(mine), AGREE_S)
+    if launched.absent:
+        why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(launched.absent.items()))
+        end_session(launched, f"harness: not every launched rank started its session ({why})")
+    words = [_word(launched, r, blob) for r, blob in enumerate(found)]
+    launched.placement = {r: str(w["node"]) for r, w in enumerate(words) if w}
+    launched.store_node = next((str(w["node"]) for w in words if w and w["store"]), "")
+    _agree_on(launched, words, "backend", "give every rank the same --rank-backend")
+    for package in ("torch", "rankwise"):
+        _agree_on(launched, words, package, f"install the same {package} on every node")
+    if words[0]:
+        use_seed(launched.config, seeds.SessionSeed(words[0]["seed"], words[0]["source"]))
+    launched.peers.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
     launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
     if not all(launched.gather("fresh", "1", AGREE_S)):
         why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(launched.absent.items()))
@@ -52,13 +81,46 @@ def agree_on_backend(launched: LaunchedSession) -> None:
         )
 
 
-def _take_rank_0s_seed(launched: LaunchedSession, said: bytes | None) -> None:
-    """Seed from rank 0's session seed (each launched pytest drew or read its own); a word
-    that is not the harness's leaves this rank's own."""
-    words = _text(said).split(" ")
-    value, _, source = words[1].partition("/") if len(words) == 3 else ("", "", "")
-    if value.isdigit() and source in ("pytest-randomly", "--rank-seed", "drawn"):
-        use_seed(launched.config, seeds.SessionSeed(int(value), source))
+def _word(launched: LaunchedSession, rank: int, blob: bytes | None) -> dict[str, Any]:
+    """What `rank` said of itself at the start; {} where it said nothing of the harness's
+    (its seed is then not taken, nor its node named)."""
+    if blob is None:
+        return {}
+    try:
+        word = records.read_json(blob, f"backend/{rank}", _WORD)
+    except records.RecordError as exc:
+        launched.say(f"harness: ignored {exc} (not this harness's)")
+        return {}
+    if word["source"] not in ("pytest-randomly", "--rank-seed", "drawn"):
+        return {}
+    return word
+
+
+def _agree_on(launched: LaunchedSession, words: list[dict[str, Any]], field: str, fix: str) -> None:
+    """End the session, on every rank alike, where the ranks said different `field`s: each
+    value with the ranks (and nodes) that said it."""
+    said: dict[str, list[int]] = {}
+    for r, word in enumerate(words):
+        said.setdefault(str(word.get(field, "nothing")), []).append(r)
+    if len(said) < 2:
+        return
+    each = "; ".join(
+        f"{field} {value} on {ranks_phrase(ranks)} ({_nodes_of(launched, ranks)})"
+        for value, ranks in said.items()
+    )
+    end_session(launched, f"harness: the launched ranks differ: {each}; {fix}")
+
+
+def _nodes_of(launched: LaunchedSession, ranks: list[int]) -> str:
+    nodes = dict.fromkeys(launched.placement.get(r, "node unknown") for r in ranks)
+    return ", ".join(nodes)
+
+
+def _rankwise_version() -> str:
+    try:
+        return version("rankwise")
+    except PackageNotFoundError:  # the checkout on sys.path, not installed
+        return "unknown"
 
 
 def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item]) -> None:
@@ -117,7 +179,7 @@ def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     if launched.rank == 0:
         final = _final(launched, found, mine)
         launched.put("final", str(final))
-    elif 0 in launched.lost:
+    elif 0 in launched.lost or launched.store_lost:
         final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
     else:
         blob = launched.get("final", AGREE_S)
@@ -209,7 +271,3 @@ def _failed(session: pytest.Session) -> list[str]:
         return []
     reports = reporter.stats.get("failed", []) + reporter.stats.get("error", [])
     return sorted({getattr(r, "nodeid", "") for r in reports})
-
-
-def _text(blob: bytes | None) -> str:
-    return "nothing" if blob is None else blob.decode(errors="replace")

@@ -167,9 +167,12 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
         if o.ending is Ending.HUNG:  # either way the rank is stuck, and cannot be replaced
             why = "it hung waiting on a peer (collateral)" if o.looks_collateral else "it hung"
             session.lost.setdefault(o.rank, why)
-    if 0 in session.lost:
+    if 0 in session.lost or session.store_lost:
         session.speak_for_rank_0()
-    reasons = [f"rank {r}: {why}" for r, why in sorted(session.lost.items())]
+    by_reason: dict[str, list[int]] = {}
+    for r, why in sorted(session.lost.items()):
+        by_reason.setdefault(why, []).append(r)
+    reasons = [f"{ranks_phrase(ranks)}: {why}" for why, ranks in by_reason.items()]
     if session.stopping:
         reasons.append("the launcher is stopping the job")
     if reasons:

@@ -25,6 +25,8 @@ from harness.launched.session import AGREE_S, FirstFailure, LaunchedSession
 # The first line of a failure report that blames one rank: "rank 1 failed: ...", "rank 2's
 # teardown failed ...", "rank 3 returned while ranks 0, 1 waited ...".
 _BLAMED = re.compile(r"^rank (\d+)\b")
+# ... or a lost node, with its ranks: "node 0 (host n1) was lost: ... (ranks 0, 1); ...".
+_LOST = re.compile(r"^\S.* was lost: .*\(ranks? (\d+)[,)]")
 
 
 def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
@@ -37,7 +39,7 @@ def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport
 def _blamed(report: pytest.TestReport, this_rank: int) -> tuple[int, str]:
     """The rank a failure report names first and its line; this rank for its own failure."""
     first = report.longreprtext.strip().splitlines()[0] if report.longreprtext.strip() else ""
-    found = _BLAMED.match(first)
+    found = _BLAMED.match(first) or _LOST.search(first)
     if found:
         return int(found.group(1)), first
     crash = getattr(report.longrepr, "reprcrash", None)
@@ -82,8 +84,12 @@ def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
             told["at"] = int(time.time())
         launched.put("root-cause", json.dumps(told))
         return told
-    if 0 in launched.lost:
-        return None
+    if 0 in launched.lost or launched.store_lost:  # no word of rank 0's: this rank's own
+        first = launched.first_failure
+        if first is None:
+            return None
+        return {"nodeid": first.nodeid, "root": first.root, "line": first.line[:2000],
+                "at": int(time.time())}  # fmt: skip
     blob = launched.get("root-cause", AGREE_S)
     if blob is None:
         return None

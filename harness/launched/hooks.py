@@ -22,7 +22,7 @@ import pytest
 from harness import hypothesis_search, runner, seam
 from harness.common import faults, torch_import_warnings
 from harness.common.launch_detect import Launch
-from harness.common.outcome import RankOutcome
+from harness.common.outcome import RankOutcome, without_cpp_frames
 from harness.common.protocol import RankSpec
 from harness.launched import agreements, body, coverage, error_files, terminal, verdicts
 from harness.launched.rendezvous import give_each_set_up_its_keys
@@ -101,6 +101,10 @@ class LaunchedPlugin:
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # after plugin.py's own changes to the report
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         report = yield
+        report.sections = [  # c10's warnings (a store that went away) carry C++ backtraces
+            (title, without_cpp_frames(text) if title.startswith("Captured stderr") else text)
+            for title, text in report.sections
+        ]
         verdict_phase = call.when == "call" or (call.when == "setup" and not report.passed)
         if verdict_phase and SPEC_KEY not in item.stash:
             verdicts.plain_verdict(self.launched, item, report)

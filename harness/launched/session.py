@@ -29,11 +29,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from rankwise.testing import write_launcher_error
 
 from harness.common.launch_detect import Launch
 from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
-from harness.launched.store import Peers
+from harness.launched.store import QUIET_AFTER_S, Peers
 from harness.launched.watch import Watch
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
@@ -100,7 +101,7 @@ class LaunchedSession:
         self.stop_reason = ""
         self.final_status: int | None = None
         self.group_timeout_s = GROUP_TIMEOUT_MARGIN_S
-        self.hung_in: set[str] = set()  # runs whose outcome this rank's timer published
+        self.hung: dict[str, RankOutcome] = {}  # the outcomes this rank's timer published
         self.finished = threading.Event()  # the exit status is agreed: the session is over
         self.watch = Watch(self)  # its hang and launcher-stop paths
         self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
@@ -112,6 +113,10 @@ class LaunchedSession:
         self._group: Any = None  # the session's own default group, to tell it from others
         self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
         self.first_failure: FirstFailure | None = None  # for torchrun's summary (error_files)
+        # Each rank's node ("node 1 (host n2)"), and the node that holds the launch's store,
+        # as the ranks said at the start: what a lost node is named by.
+        self.placement: dict[int, str] = {}
+        self.store_node = ""
 
     # ---- the store ---------------------------------------------------------------------
 
@@ -308,12 +313,20 @@ class LaunchedSession:
 
     def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]:
         """Every rank's outcome of run `key`; a rank that published none is read as gone."""
-        mine = None if key in self.hung_in else records.encode_outcome(outcome)  # or the timer's
+        mine = None if key in self.hung else records.encode_outcome(outcome)  # or the timer's
         found = self.gather(f"{key}/outcome", mine, seconds)
+        own = self.hung.get(key, outcome)  # what this rank said, where its word cannot arrive
         return [
-            self._outcome(key, r, blob) if blob is not None else self._missing(key, r)
+            self._outcome(key, r, blob)
+            if blob is not None
+            else (own if r == self.rank and self.store_lost else self._missing(key, r))
             for r, blob in enumerate(found)
         ]
+
+    @property
+    def store_lost(self) -> str:
+        """Why the launch's store stopped answering ("" while it answers)."""
+        return "" if self.peers is None else self.peers.lost
 
     def _outcome(self, key: str, rank: int, blob: bytes) -> RankOutcome:
         """Rank `rank`'s outcome as read from the store: data, checked, never code. A value
@@ -352,15 +365,49 @@ class LaunchedSession:
         assert self.peers is not None
         died = self._died(rank)
         why = f"it died: {died['text']}" if died else self.absent.get(rank, "gone")
-        self.lost[rank] = why
         pid = records.read_int(self.peers.read(f"pid/{rank}"), f"pid/{rank}", 0)
-        if died.get("signal") is not None:
+        node_lost = "" if died else self._node_lost(rank, why)
+        if node_lost:  # first in time: when its node went, not when this rank noticed
+            went = self.peers.lost_at if self.peers.lost else self.peers.last_sign_of_life(rank)
+            outcome = RankOutcome(key, rank, pid, Ending.LOST, message=node_lost, at=went)
+            if self.peers.lost and self.placement.get(rank) != self.store_node:
+                outcome.origin_rank = self._store_rank()  # alive, most likely: unheard
+            why = node_lost
+        elif died.get("signal") is not None:
             outcome = RankOutcome(key, rank, pid, Ending.SIGNALLED, signal=died["signal"])
         else:
             outcome = RankOutcome(key, rank, pid, Ending.HARD_EXIT, exit_code=died.get("code"))
-        outcome.at = time.monotonic()
-        outcome.notes.append(f"rank {rank} gave no outcome: {why}")
+        self.lost[rank] = why
+        if outcome.ending is not Ending.LOST:  # a lost rank's words say it already
+            outcome.at = time.monotonic()
+            outcome.notes.append(f"rank {rank} gave no outcome: {why}")
         return outcome
+
+    def _node_lost(self, rank: int, why: str) -> str:
+        """What happened to `rank`'s node, where it is gone or out of reach as a whole ("":
+        it is not, or which node `rank` runs on is unknown): every rank of the node absent,
+        or the launch's store gone (its node lost, or this one cut off from it)."""
+        assert self.peers is not None
+        node = self.placement.get(rank, "")
+        if self.peers.lost:
+            store = self.store_node or "the node that held it"
+            if node == self.store_node or not self.store_node:
+                said = self.peers.lost
+                return f"{store} was lost: the launch's store there stopped answering ({said})"
+            return f"not heard from: the launch's store was lost with {store}"
+        if not node:
+            return ""
+        ranks = self.ranks_on(node)
+        if any(r == self.rank or (r not in self.absent and r not in self.lost) for r in ranks):
+            return ""  # one rank of it went: its node is still there
+        return f"{node} was lost: {why}"
+
+    def ranks_on(self, node: str) -> list[int]:
+        return sorted(r for r, n in self.placement.items() if n == node)
+
+    def _store_rank(self) -> int | None:
+        ranks = self.ranks_on(self.store_node) if self.store_node else []
+        return ranks[0] if ranks else None
 
     def _died(self, rank: int) -> dict[str, Any]:
         """What rank `rank` said as it died ({} if nothing, or nothing of the harness's)."""
@@ -381,7 +428,7 @@ class LaunchedSession:
     def publish_hang(self, key: str, outcome: RankOutcome) -> None:
         """This rank's timer found it hung in run `key`: publish that as its outcome (the main
         thread, if it comes back, keeps it)."""
-        self.hung_in.add(key)
+        self.hung[key] = outcome
         self.put(f"{key}/outcome/{self.rank}", records.encode_outcome(outcome))
 
     def launcher_stopped(self) -> bool:
@@ -396,9 +443,23 @@ class LaunchedSession:
 
     def own_outcome(self, key: str) -> RankOutcome:
         """The outcome this rank published for run `key` (its timer's, for a hang)."""
+        if key in self.hung:
+            return self.hung[key]
         assert self.peers is not None
         blob = self.peers.read(f"{key}/outcome/{self.rank}") or b""
         return records.decode_outcome(blob, key, self.rank)
+
+    def reports(self) -> bool:
+        """Whether this rank prints the session's reports: rank 0, or the rank that speaks
+        for a lost one (see speak_for_rank_0): the lowest with no live rank below it."""
+        if self.real_writer is None:
+            return True
+        if not self.store_lost and self.peers is not None:
+            if self.peers.live_below(self.rank, QUIET_AFTER_S):
+                return False
+            self.lost.update({r: "no sign of life" for r in range(self.rank) if r not in self.lost})
+        self.speak_for_rank_0()
+        return self.real_writer is None
 
     def stop_report(self, wait_s: float) -> str:
         """Rank 0's words on a job the launcher stopped: which ranks ended first (they said
@@ -406,18 +467,29 @@ class LaunchedSession:
         others = [r for r in range(self.world_size) if r != self.rank]
         self.wait([f"stopped/{r}" for r in others], wait_s)
         assert self.peers is not None
+        if self.peers.lost:  # no rank's word arrives: say what is known, the lost node
+            outcomes = [self._missing(self.test_key(), r) for r in others]
+            text = failure_text(outcomes) or f"the launch's store is gone ({self.peers.lost})"
+            head = text.splitlines()[0]
+            during = f"during {self.current}" if self.current else "between tests"
+            verdict = f"FAILED {self.current} - {head}\n" if self.current else ""
+            return f"{verdict}harness: the launcher stopped the job {during}: {text}"
         gone = {
             r: self._died(r).get("text", "") for r in others if not self.peers.has(f"stopped/{r}")
         }
-        return terminal.stop_report(self.current, self.world_size, gone)
+        return terminal.stop_report(self.current, self.world_size, gone, self.placement)
 
     def say(self, text: str) -> None:
         """Write to the real terminal, past pytest's capture, whichever rank this is."""
         terminal.loud(self.config, text)
 
-    def end_early(self) -> None:
-        """Rank 0 could not finish the session: the others read status 1 as its last word."""
+    def end_early(self, text: str) -> None:
+        """The reporting rank could not finish the session: the others read status 1 as its
+        last word, and torchrun's summary shows `text` (its report) as this rank's error."""
         self.put("final", "1")
+        headline = next((line for line in text.splitlines() if line.strip()), text)
+        stamp = int(time.time())
+        write_launcher_error(f"{self.current}: {headline}"[:2000], text, stamp)
 
     def summary(self, reporter: Any) -> None:
         """Rank 0's last words on the terminal (a quiet rank says nothing)."""
@@ -434,17 +506,24 @@ class LaunchedSession:
         )
 
     def speak_for_rank_0(self) -> None:
-        """Rank 0 is gone: the lowest rank left prints the report from here on."""
+        """Rank 0 is gone: the lowest rank left prints the report from here on; with the
+        launch's store gone, the lowest of each node's ranks (no rank hears another now)."""
         alive = [r for r in range(self.world_size) if r not in self.lost]
+        if self.peers is not None and self.peers.lost:
+            node = self.placement.get(self.rank)
+            alive = self.ranks_on(node) if node else [self.rank]
         if self.real_writer is None or not alive or alive[0] != self.rank:
             return
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter._tw = self.real_writer
         self.real_writer = None
-        terminal.loud(
-            self.config, f"harness: rank 0 is gone ({self.lost[0]}); rank {self.rank} reports"
-        )
+        if self.store_lost:
+            why = f"the launch's store stopped answering ({self.store_lost}); no rank hears another"
+            terminal.loud(self.config, f"harness: {why}: rank {self.rank} reports for its node")
+            return
+        why = self.lost.get(0, "no sign of life")
+        terminal.loud(self.config, f"harness: rank 0 is gone ({why}); rank {self.rank} reports")
 
     def stop(self, reason: str, session: pytest.Session) -> None:
         """End the session after the current test: a rank cannot go on."""

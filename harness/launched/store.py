@@ -4,6 +4,12 @@ Every exchange is "publish mine, wait for every rank's" under one key. A wait gi
 peer early, with the reason, when the peer shows no sign of life (its heartbeat stopped) or
 has moved past the test being exchanged (it will never publish); otherwise it waits for its
 bound, and a few seconds at most once the launcher is stopping the job.
+
+The store itself can go: its node lost, or cut off. An operation that fails for that (the
+connection closed or reset, or no answer within STORE_ANSWER_S) marks the store `lost` with
+torch's first line; from then on nothing waits on it: a write is dropped, a read finds
+nothing, and a gather finds every other rank absent for that reason, so the session reaches
+its verdicts and its end on what this rank alone knows.
 """
 
 from __future__ import annotations
@@ -18,17 +24,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from harness.common import reaper, signing
 from harness.common.launch_detect import Launch
 
+_T = TypeVar("_T")
+
 HEARTBEAT_S = 1.0  # how often each rank says it is alive
 SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone (see _silent)
 QUIET_AFTER_S = 2.5 * HEARTBEAT_S  # unchanged this long when a wait ends: gone, most likely
 STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
+# How long one store operation may go unanswered before the store counts as lost (a link cut:
+# no error ever arrives). A safety net: the store answers in microseconds, even under load.
+STORE_ANSWER_S = 30.0
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
 _ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
@@ -55,9 +66,12 @@ class Peers:
         self.secret = secret
         run = signing.key(secret, f"harness/{launch.run_key}")
         arrival = base.add(f"{run}/arrivals", 1) - 1
+        base.set_timeout(timedelta(seconds=STORE_ANSWER_S))  # one answer, not a whole wait
         self.prefix = f"{run}/{arrival // launch.world_size}"
         self._base = base
         self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
+        self.lost = ""  # why the launch's store stopped answering, once it did
+        self.lost_at = 0.0  # when (time.monotonic())
         self.nonce = secrets.token_hex(16)  # this rank's part of the job's own prefix
         self.refused: list[str] = []  # keys whose value failed the signature check
         self.rank, self.world_size = launch.rank, launch.world_size
@@ -83,17 +97,24 @@ class Peers:
         self.beat()  # at once under the new prefix: a peer may look for it before the next
 
     def put(self, key: str, value: bytes | str) -> None:
-        self.store.set(self._name(key), signing.sign(self.secret, self._where(key), value))
+        blob = signing.sign(self.secret, self._where(key), value)
+        self._answered(lambda: self.store.set(self._name(key), blob), None)
 
     def has(self, key: str) -> bool:
-        return bool(self.store.check([self._name(key)]))
+        return self._checked([self._name(key)])
+
+    def _checked(self, names: list[str]) -> bool:
+        """Whether every key in `names` is set (False once the store is lost)."""
+        return self._answered(lambda: bool(self.store.check(names)), False)
 
     def read(self, key: str) -> bytes | None:
         """The value under `key`; None if absent, or if its signature does not hold (then it
         is noted in `refused`, to be reported, and never believed)."""
         if not self.has(key):
             return None
-        blob = self.store.get(self._name(key))
+        blob = self._answered(lambda: bytes(self.store.get(self._name(key))), None)
+        if blob is None:
+            return None
         value = signing.verify(self.secret, self._where(key), blob)
         if value is None and key not in self.refused:
             self.refused.append(key)
@@ -103,6 +124,19 @@ class Peers:
         for key in keys:
             with contextlib.suppress(Exception):
                 self.store.delete_key(self._name(key))
+
+    def _answered(self, operation: Callable[[], _T], undone: _T) -> _T:
+        """`operation`'s result; `undone` once the store is lost, or when the operation
+        fails because the store is gone (see store_gone), which marks it lost."""
+        if self.lost:
+            return undone
+        try:
+            return operation()
+        except Exception as exc:
+            if not store_gone(exc):
+                raise
+            self.lost, self.lost_at = first_line(exc), time.monotonic()
+            return undone
 
     def _name(self, key: str) -> str:
         return signing.key(self.secret, key)
@@ -121,6 +155,25 @@ class Peers:
         (most likely blocked in a collective)."""
         return _beat_fields(self.read(f"beat/{rank}"))[1] == "c10d"
 
+    def live_below(self, rank: int, within_s: float) -> bool:
+        """Whether a rank below `rank` shows a sign of life within `within_s`: its process
+        runs (one on this machine), or its heartbeat moves. False once the store is lost."""
+        lower = range(rank)
+        first = {r: self.read(f"beat/{r}") for r in lower}
+        for r in lower:
+            pid = _pid_here(_beat_fields(first[r])[2])
+            if pid is not None and reaper.alive(pid):
+                return True
+        for _ in self.polls(within_s):
+            if any(first[r] is not None and self.read(f"beat/{r}") != first[r] for r in lower):
+                return True
+        return False
+
+    def last_sign_of_life(self, rank: int) -> float:
+        """When this rank first saw `rank`'s last heartbeat (time.monotonic()); now if never."""
+        seen = self._beats.get(rank)
+        return time.monotonic() if seen is None else seen[1]
+
     def still_in_this_test(self, rank: int) -> bool:
         """Whether `rank` is alive and has not moved past this rank's place."""
         return not self._silent(rank) and self._at(rank) <= self.position()
@@ -138,6 +191,9 @@ class Peers:
         keys = [f"{name}/{r}" for r in range(self.world_size)]
         awaited = {r for r in range(self.world_size) if r not in skip and r != self.rank}
         absent = self._await(keys, awaited, seconds)
+        if self.lost:
+            gone = f"the launch's store stopped answering ({self.lost})"
+            return [None] * self.world_size, {r: gone for r in awaited | skip}
         values = [self.read(k) if r not in skip else None for r, k in enumerate(keys)]
         reasons = {r: absent.get(r, "gone before") for r, v in enumerate(values) if v is None}
         return values, reasons
@@ -151,7 +207,7 @@ class Peers:
         while True:
             waited = time.monotonic() - start
             yield waited
-            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S):
+            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S) or self.lost:
                 return
             self._tick.wait(pause)
             pause = min(pause * 2, _LAST_POLL_S)
@@ -170,7 +226,7 @@ class Peers:
             self._silent(r)
         for _ in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
-            if not waiting or self.store.check([self._name(keys[r]) for r in waiting]):
+            if not waiting or self._checked([self._name(keys[r]) for r in waiting]):
                 return given_up
             if time.monotonic() - looked >= _ABSENTEES_EVERY_S:
                 looked = time.monotonic()
@@ -241,6 +297,50 @@ class Peers:
                 f"likely ended (the launcher's summary gives its exit status)"
             )
         return f"it did not answer within {waited:.3g} s (it was {where})"
+
+
+def store_is_here(launch: Launch) -> bool:
+    """Whether this process's node holds the launch's store: the socket listening on its
+    port (in this network namespace) is this process's (rank 0 under srun or mpirun) or its
+    launcher's (torchrun's agent). Read from /proc; False where that cannot tell."""
+    inodes = _listening_inodes(launch.master_port)
+    if not inodes:
+        return False
+    for pid in ("self", str(os.getppid())):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        return True
+    return False
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The sockets listening on TCP `port` here, as /proc names them ("socket:[inode]")."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.add(f"socket:[{inode}]")
+    return found
+
+
+def store_gone(exc: BaseException) -> bool:
+    """Whether a store operation failed because the store is gone: its connection closed,
+    reset or refused, or no answer within its timeout."""
+    name = type(exc).__name__
+    if name == "DistNetworkError":
+        return True
+    return name == "DistStoreError" and "timeout" in str(exc).lower()
+
+
+def first_line(exc: BaseException) -> str:
+    """torch's error in one line: its first, without the C++ frames c10 appends."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _process_place() -> str:

@@ -93,18 +93,46 @@ def _signatures(reporter: Any, unsigned: bool, refused: list[str]) -> None:
         )
 
 
-def stop_report(current: str, world_size: int, gone: dict[int, str]) -> str:
-    """Rank 0's words on a job the launcher stopped during `current` (or between tests):
-    the ranks in `gone` ended first, each with what it said as it died ("" if nothing)."""
+def stop_report(
+    current: str, world_size: int, gone: dict[int, str], placement: dict[int, str]
+) -> str:
+    """The reporting rank's words on a job the launcher stopped during `current` (or between
+    tests): the ranks in `gone` ended first, each with what it said as it died ("" if
+    nothing); a node all of whose ranks went silently is named as lost. Under a test, its
+    first line is the test's verdict, as pytest's summary words it."""
+    lost = _lost_nodes(gone, placement)
+    lost_ranks = {r for ranks in lost.values() for r in ranks}
+    stopped = [r for r in range(world_size) if r not in gone]
+    causes = [f"{node} was lost ({ranks_phrase(ranks)})" for node, ranks in lost.items()]
+    causes += [f"rank {r} ended first" for r in sorted(gone) if r not in lost_ranks]
+    headline = "; ".join(causes) or "every rank was stopped by it"
+    lines = [f"FAILED {current} - the launcher stopped the job: {headline}"] if current else []
     during = f"during {current}" if current else "between tests"
-    lines = [f"harness: the launcher stopped the job {during}."]
+    lines.append(f"harness: the launcher stopped the job {during}.")
+    for node, ranks in lost.items():
+        lines.append(
+            f"  {node} was lost: {ranks_phrase(ranks)} ended first, none with a word (the node "
+            f"went down, or the processes on it were killed)"
+        )
     for rank, cause in sorted(gone.items()):
-        cause = cause or "it left no word (the launcher's summary has its exit status)"
-        lines.append(f"  rank {rank} ended first: {cause}")
+        if rank not in lost_ranks:
+            cause = cause or "it left no word (the launcher's summary has its exit status)"
+            lines.append(f"  rank {rank} ended first: {cause}")
     if gone:
-        stopped = [r for r in range(world_size) if r not in gone]
         verb = "was" if len(stopped) == 1 else "were"
         lines.append(f"  {ranks_phrase(stopped)} {verb} stopped by the launcher")
     else:
         lines.append("  every rank was stopped by it (a cancelled job, or a rank's own exit)")
     return "\n".join(lines)
+
+
+def _lost_nodes(gone: dict[int, str], placement: dict[int, str]) -> dict[str, list[int]]:
+    """The nodes every rank of which is in `gone` with no word of its own, with their ranks."""
+    nodes: dict[str, list[int]] = {}
+    for rank, node in sorted(placement.items()):
+        nodes.setdefault(node, []).append(rank)
+    return {
+        node: ranks
+        for node, ranks in nodes.items()
+        if all(r in gone and not gone[r] for r in ranks)
+    }

@@ -162,8 +162,13 @@ class Watched(Protocol):
         """Write to the real terminal, past pytest's capture."""
         ...
 
-    def end_early(self) -> None:
-        """Rank 0's last word when it could not finish the session: no junit, status 1."""
+    def reports(self) -> bool:
+        """Whether this rank prints the session's reports (rank 0, or one speaking for it)."""
+        ...
+
+    def end_early(self, text: str) -> None:
+        """The reporting rank's last word when it could not finish the session (`text`, its
+        report): no junit, status 1, torchrun's error file."""
         ...
 
 
@@ -184,9 +189,9 @@ class Watch:
         outcome.stack, outcome.where = _stacks(), where
         outcome.notes.append(note or f"still running at the test's timeout ({timeout_s:g} s)")
         session.publish_hang(key, outcome)
-        if session.rank != 0:
+        if not session.reports():
             os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job
-        self._finish_or_report(f"rank 0 hung in {session.current}", key)
+        self._finish_or_report(f"rank {session.rank} hung in {session.current}", key)
 
     # ---- signs of life -------------------------------------------------------------------
 
@@ -251,27 +256,29 @@ class Watch:
             return
         if session.final_status is not None:
             os._exit(session.final_status)
-        if session.rank == 0:
+        if session.reports():
             with contextlib.suppress(Exception):
                 self._report(why, hung_key)
         os._exit(1)
 
     def _report(self, why: str, hung_key: str | None) -> None:
         session = self._session
+        rank = session.rank
         if hung_key is not None:
             outcomes = session.exchange(hung_key, session.own_outcome(hung_key), STOPPED_WAIT_S)
             text = failure_text(outcomes) or "every rank returned"
-            session.say(f"FAILED {session.current} (reported by rank 0's timer)\n{text}")
+            text = f"FAILED {session.current} (reported by rank {rank}'s timer)\n{text}"
         else:
-            session.say(session.stop_report(STOPPED_WAIT_S))
+            text = session.stop_report(STOPPED_WAIT_S)
+        session.say(text)
         left = [n for n in session.not_run() if n != session.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
         session.say(
-            f"harness: the session ended early ({why}; rank 0 could not finish it, so there "
-            f"is no junit xml). Tests not run ({len(left)}):\n{listed}"
+            f"harness: the session ended early ({why}; rank {rank} could not finish it, so "
+            f"there is no junit xml). Tests not run ({len(left)}):\n{listed}"
         )
         with contextlib.suppress(Exception):
-            session.end_early()
+            session.end_early(text)
 
 
 def _stacks() -> str:
