@@ -19,7 +19,7 @@ from harness import runner
 from harness.common import endings, environment, reaper
 from harness.common.errors import HarnessError
 from harness.common.faults import Fault, Injector
-from harness.common.outcome import Ending, RankOutcome, ranks_phrase
+from harness.common.outcome import Ending, RankOutcome, failure_text, ranks_phrase
 from harness.common.protocol import RankSpec
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
@@ -169,6 +169,8 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
             session.lost.setdefault(o.rank, why)
     if 0 in session.lost or session.store_lost:
         session.speak_for_rank_0()
+    if any(o.ending is Ending.LOST for o in outcomes):
+        session.tell_node(item.nodeid, failure_text(outcomes) or "")
     by_reason: dict[str, list[int]] = {}
     for r, why in sorted(session.lost.items()):
         by_reason.setdefault(why, []).append(r)

@@ -400,7 +400,10 @@ class LaunchedSession:
         ranks = self.ranks_on(node)
         if any(r == self.rank or (r not in self.absent and r not in self.lost) for r in ranks):
             return ""  # one rank of it went: its node is still there
-        return f"{node} was lost: {why}"
+        return (
+            f"{node} was lost: none of its ranks gave an outcome or a sign of life (the node "
+            f"went down, its processes were killed, or its link was cut)"
+        )
 
     def ranks_on(self, node: str) -> list[int]:
         return sorted(r for r, n in self.placement.items() if n == node)
@@ -524,6 +527,23 @@ class LaunchedSession:
             return
         why = self.lost.get(0, "no sign of life")
         terminal.loud(self.config, f"harness: rank 0 is gone ({why}); rank {self.rank} reports")
+
+    def leads_node(self) -> bool:
+        """Whether this rank is the lowest of its node's (it speaks for its node)."""
+        node = self.placement.get(self.rank)
+        return node is not None and self.ranks_on(node)[0] == self.rank
+
+    def tell_node(self, nodeid: str, text: str) -> None:
+        """Where a node was lost, each node's lowest rank that does not report the test says
+        its verdict in one line on its own node's terminal: every surviving node shows it."""
+        if self.real_writer is None or not self.leads_node() or not text:
+            return
+        node = self.placement.get(self.rank, "")
+        terminal.loud(
+            self.config,
+            f"FAILED {nodeid} - {text.splitlines()[0]} (rank {self.rank} for {node}; the "
+            f"whole report is the reporting rank's)",
+        )
 
     def stop(self, reason: str, session: pytest.Session) -> None:
         """End the session after the current test: a rank cannot go on."""

@@ -166,6 +166,10 @@ class Watched(Protocol):
         """Whether this rank prints the session's reports (rank 0, or one speaking for it)."""
         ...
 
+    def tell_node(self, nodeid: str, text: str) -> None:
+        """Say the verdict's first line on this node's terminal, if this rank leads it."""
+        ...
+
     def end_early(self, text: str) -> None:
         """The reporting rank's last word when it could not finish the session (`text`, its
         report): no junit, status 1, torchrun's error file."""
@@ -259,17 +263,23 @@ class Watch:
         if session.reports():
             with contextlib.suppress(Exception):
                 self._report(why, hung_key)
+        elif hung_key is None:  # each node says what it saw of the job's end
+            with contextlib.suppress(Exception):
+                session.tell_node(session.current, self._text(hung_key).split("- ", 1)[-1])
         os._exit(1)
+
+    def _text(self, hung_key: str | None) -> str:
+        session = self._session
+        if hung_key is None:
+            return session.stop_report(STOPPED_WAIT_S)
+        outcomes = session.exchange(hung_key, session.own_outcome(hung_key), STOPPED_WAIT_S)
+        text = failure_text(outcomes) or "every rank returned"
+        return f"FAILED {session.current} (reported by rank {session.rank}'s timer)\n{text}"
 
     def _report(self, why: str, hung_key: str | None) -> None:
         session = self._session
         rank = session.rank
-        if hung_key is not None:
-            outcomes = session.exchange(hung_key, session.own_outcome(hung_key), STOPPED_WAIT_S)
-            text = failure_text(outcomes) or "every rank returned"
-            text = f"FAILED {session.current} (reported by rank {rank}'s timer)\n{text}"
-        else:
-            text = session.stop_report(STOPPED_WAIT_S)
+        text = self._text(hung_key)
         session.say(text)
         left = [n for n in session.not_run() if n != session.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
