@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -59,8 +60,10 @@ def agree_on_backend(launched: LaunchedSession) -> None:
     }
     found = launched.gather("backend", json.dumps(mine), AGREE_S)
     if launched.absent:
-        why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(launched.absent.items()))
-        end_session(launched, f"harness: not every launched rank started its session ({why})")
+        end_session(
+            launched,
+            f"harness: not every launched rank started its session ({_absent_by_node(launched)})",
+        )
     words = [_word(launched, r, blob) for r, blob in enumerate(found)]
     launched.placement = {r: str(w["node"]) for r, w in enumerate(words) if w}
     launched.store_node = next((str(w["node"]) for w in words if w and w["store"]), "")
@@ -79,6 +82,19 @@ def agree_on_backend(launched: LaunchedSession) -> None:
             f"those ranks ended, they were shown another rank's word replaced by a process "
             f"that reaches the launch's store (see docs/security.md)",
         )
+
+
+def _absent_by_node(launched: LaunchedSession) -> str:
+    """'node 1 (ranks 2, 3): no sign of life ...', each node's absent ranks together where
+    they are absent for the same reason (the node went), else rank by rank."""
+    by_node: dict[tuple[str, str], list[int]] = {}
+    for r, why in sorted(launched.absent.items()):
+        reason = re.sub(r"\d+(\.\d+)? s\b", "some seconds", why)  # alike across a node
+        by_node.setdefault((launched.node_of(r), reason), []).append(r)
+    return "; ".join(
+        f"{node + ' (' if node else ''}{ranks_phrase(ranks)}{')' if node else ''}: {why}"
+        for (node, why), ranks in by_node.items()
+    )
 
 
 def _word(launched: LaunchedSession, rank: int, blob: bytes | None) -> dict[str, Any]:
@@ -131,7 +147,8 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
     said = {"tests": launched.collected, "errors": _collection_errors(launched.config)}
     found = launched.gather("collected", json.dumps(said), AGREE_S)
     mine = launched.collected
-    differences, errors, unfinished = [], [], []
+    differences: dict[tuple[str, str], list[int]] = {}
+    errors, unfinished = [], []
     for r, blob in enumerate(found):
         if blob is None:
             unfinished.append(f"rank {r} did not finish collecting: {launched.absent[r]}")
@@ -146,7 +163,8 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
         if r != launched.rank:
             launched.peer_collection_errors += said_by_r
         if theirs["tests"] != mine:
-            differences.append(_collection_difference(r, theirs["tests"], launched.rank, mine))
+            what = _collection_difference(theirs["tests"], launched.rank, mine)
+            differences.setdefault((launched.node_of(r), what), []).append(r)
     if errors and not launched.config.getoption("continue_on_collection_errors", False):
         end_session(
             launched,
@@ -161,9 +179,13 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
             f"any test ran: its own output (stderr) and the launcher's summary say why",
         )
     if differences:
+        each = "; ".join(
+            f"{ranks_phrase(ranks)}{f' ({node})' if node else ''} collected {what}"
+            for (node, what), ranks in differences.items()
+        )
         end_session(
             launched,
-            f"harness: the launched ranks collected different tests: {'; '.join(differences)}"
+            f"harness: the launched ranks collected different tests: {each}"
             f". Every rank must collect the same tests: make collection independent of the "
             f"node (its GPUs, files, environment, random seeds) and select the same tests "
             f"everywhere (a --lf cache each node keeps for itself differs)",
@@ -252,7 +274,7 @@ def _without_pytests_frames(exc: BaseException) -> str:
     return "".join(shown.format())
 
 
-def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str]) -> str:
+def _collection_difference(theirs: list[str], me: int, mine: list[str]) -> str:
     extra = [n for n in theirs if n not in set(mine)]
     missing = [n for n in mine if n not in set(theirs)]
     parts = []
@@ -262,7 +284,7 @@ def _collection_difference(rank: int, theirs: list[str], me: int, mine: list[str
         parts.append(f"not {len(missing)} test(s) rank {me} did ({', '.join(missing[:5])})")
     if not parts:
         parts.append(f"the same tests in another order than rank {me}")
-    return f"rank {rank} collected {' and '.join(parts)}"
+    return " and ".join(parts)
 
 
 def _failed(session: pytest.Session) -> list[str]:

@@ -34,7 +34,7 @@ from rankwise.testing import write_launcher_error
 from harness.common.launch_detect import Launch
 from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
-from harness.launched.store import QUIET_AFTER_S, Peers
+from harness.launched.store import QUIET_AFTER_S, Peers, first_line, store_gone
 from harness.launched.watch import Watch
 from harness.rank import group_release
 from harness.settings import settings_of, timeout_for
@@ -48,6 +48,10 @@ ARRIVE_S = 600.0
 # How long past a test's timeout a rank waits for its peers' outcomes: their own timers fire
 # at the timeout and need a moment to dump stacks and publish.
 OUTCOME_GRACE_S = 15.0
+# How long a rank tries to reach the launch's store at the start, at least (or the tests'
+# timeout, if longer): it is there before the ranks start (torchrun's agent hosts it; rank 0
+# makes it as it starts, under srun or mpirun).
+CONNECT_S = 60.0
 # The group's own timeout stays past every test's bound, so the harness's timer fires first.
 GROUP_TIMEOUT_MARGIN_S = 120.0
 
@@ -121,8 +125,22 @@ class LaunchedSession:
     # ---- the store ---------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Join the launch's store; start saying this rank is alive."""
-        self.peers = Peers(self.launch, AGREE_S, settings_of(self.config).secret)
+        """Join the launch's store; start saying this rank is alive. A store this rank
+        cannot reach within the test timeout (its node down, or the link to it) ends this
+        rank's session, saying so."""
+        bound = max(CONNECT_S, timeout_for(settings_of(self.config), None, "", None))
+        try:
+            self.peers = Peers(self.launch, bound, settings_of(self.config).secret)
+        except Exception as exc:
+            if not store_gone(exc):
+                raise
+            where = f"{self.launch.master_addr}:{self.launch.master_port}"
+            raise pytest.exit(
+                f"harness: rank {self.rank} ({self.launch.node_name}) could not reach the "
+                f"launch's store at {where} within {bound:g} s ({first_line(exc)}): the node "
+                f"that holds it is down, or the link to it; the other ranks name this rank",
+                returncode=pytest.ExitCode.INTERRUPTED,
+            ) from None
         self.peers.position = lambda: self.stage
         self.peers.name_of = self._name_of
         # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
@@ -370,7 +388,7 @@ class LaunchedSession:
         if node_lost:  # first in time: when its node went, not when this rank noticed
             went = self.peers.lost_at if self.peers.lost else self.peers.last_sign_of_life(rank)
             outcome = RankOutcome(key, rank, pid, Ending.LOST, message=node_lost, at=went)
-            if self.peers.lost and self.placement.get(rank) != self.store_node:
+            if self.peers.lost and self.node_of(rank) != self.store_node:
                 outcome.origin_rank = self._store_rank()  # alive, most likely: unheard
             why = node_lost
         elif died.get("signal") is not None:
@@ -388,7 +406,7 @@ class LaunchedSession:
         it is not, or which node `rank` runs on is unknown): every rank of the node absent,
         or the launch's store gone (its node lost, or this one cut off from it)."""
         assert self.peers is not None
-        node = self.placement.get(rank, "")
+        node = self.node_of(rank)
         if self.peers.lost:
             store = self.store_node or "the node that held it"
             if node == self.store_node or not self.store_node:
@@ -406,7 +424,17 @@ class LaunchedSession:
         )
 
     def ranks_on(self, node: str) -> list[int]:
-        return sorted(r for r, n in self.placement.items() if n == node)
+        return sorted(r for r in range(self.world_size) if self.node_of(r) == node)
+
+    def node_of(self, rank: int) -> str:
+        """`rank`'s node as it said at the start; before it said (or where it never did), as
+        the launcher numbers nodes, each running LOCAL_WORLD_SIZE consecutive ranks."""
+        said = self.placement.get(rank)
+        if said is not None:
+            return said
+        if self.launch.node is None or self.world_size % self.launch.local_world_size:
+            return ""
+        return f"node {rank // self.launch.local_world_size}"
 
     def _store_rank(self) -> int | None:
         ranks = self.ranks_on(self.store_node) if self.store_node else []
@@ -513,7 +541,7 @@ class LaunchedSession:
         launch's store gone, the lowest of each node's ranks (no rank hears another now)."""
         alive = [r for r in range(self.world_size) if r not in self.lost]
         if self.peers is not None and self.peers.lost:
-            node = self.placement.get(self.rank)
+            node = self.node_of(self.rank)
             alive = self.ranks_on(node) if node else [self.rank]
         if self.real_writer is None or not alive or alive[0] != self.rank:
             return
@@ -530,7 +558,7 @@ class LaunchedSession:
 
     def leads_node(self) -> bool:
         """Whether this rank is the lowest of its node's (it speaks for its node)."""
-        node = self.placement.get(self.rank)
+        node = self.node_of(self.rank)
         return node is not None and self.ranks_on(node)[0] == self.rank
 
     def tell_node(self, nodeid: str, text: str) -> None:
@@ -538,7 +566,7 @@ class LaunchedSession:
         its verdict in one line on its own node's terminal: every surviving node shows it."""
         if self.real_writer is None or not self.leads_node() or not text:
             return
-        node = self.placement.get(self.rank, "")
+        node = self.node_of(self.rank)
         terminal.loud(
             self.config,
             f"FAILED {nodeid} - {text.splitlines()[0]} (rank {self.rank} for {node}; the "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
 import secrets
 import socket
 import sys
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -37,8 +38,10 @@ HEARTBEAT_S = 1.0  # how often each rank says it is alive
 SILENT_AFTER_S = 15.0  # a heartbeat unchanged this long: the rank is gone (see _silent)
 QUIET_AFTER_S = 2.5 * HEARTBEAT_S  # unchanged this long when a wait ends: gone, most likely
 STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
-# How long one store operation may go unanswered before the store counts as lost (a link cut:
-# no error ever arrives). A safety net: the store answers in microseconds, even under load.
+# How long one store operation may go unanswered before the store counts as lost. Through a
+# cut link no error arrives until TCP gives up (about 15 minutes), and torch's client timeout
+# does not bound a blocked operation: each runs on a thread of its own, waited for this long.
+# A safety net: the store answers in microseconds, even under load.
 STORE_ANSWER_S = 30.0
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
@@ -72,6 +75,7 @@ class Peers:
         self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
         self.lost = ""  # why the launch's store stopped answering, once it did
         self.lost_at = 0.0  # when (time.monotonic())
+        self._calls = StoreCalls()
         self.nonce = secrets.token_hex(16)  # this rank's part of the job's own prefix
         self.refused: list[str] = []  # keys whose value failed the signature check
         self.rank, self.world_size = launch.rank, launch.world_size
@@ -127,16 +131,26 @@ class Peers:
 
     def _answered(self, operation: Callable[[], _T], undone: _T) -> _T:
         """`operation`'s result; `undone` once the store is lost, or when the operation
-        fails because the store is gone (see store_gone), which marks it lost."""
+        fails because the store is gone (see store_gone), or gets no answer within
+        STORE_ANSWER_S: either marks it lost."""
         if self.lost:
             return undone
-        try:
-            return operation()
-        except Exception as exc:
-            if not store_gone(exc):
-                raise
-            self.lost, self.lost_at = first_line(exc), time.monotonic()
+        answered, result = self._calls.run(operation, STORE_ANSWER_S)
+        if not answered:
+            self._mark_lost(
+                f"no answer within {STORE_ANSWER_S:g} s: the link to its node, or the node, is down"
+            )
             return undone
+        if not isinstance(result, BaseException):
+            return cast(_T, result)
+        if not store_gone(result):
+            raise result
+        self._mark_lost(first_line(result))
+        return undone
+
+    def _mark_lost(self, why: str) -> None:
+        if not self.lost:
+            self.lost, self.lost_at = why, time.monotonic()
 
     def _name(self, key: str) -> str:
         return signing.key(self.secret, key)
@@ -250,7 +264,7 @@ class Peers:
                 found[r] = f"it had moved on to {self.name_of(at)} (ranks out of step)"
             elif self._silent(r):
                 quiet = time.monotonic() - self._beats[r][1]
-                found[r] = f"no sign of life for {quiet:.3g} s: its process ended"
+                found[r] = f"no sign of life for {quiet:.3g} s: {self._why_silent(r)}"
         return found
 
     def _silent(self, rank: int) -> bool:
@@ -269,6 +283,12 @@ class Peers:
         if pid is not None:  # asked directly, once a few beats are missed
             return quiet > QUIET_AFTER_S and not reaper.alive(pid)
         return quiet > max(SILENT_AFTER_S, self.silent_elsewhere_s)
+
+    def _why_silent(self, rank: int) -> str:
+        """Why a silent peer is silent, as far as this rank can tell."""
+        if _pid_here(_beat_fields(self._beats[rank][0])[2]) is not None:
+            return "its process ended"  # on this machine: asked directly
+        return "its process ended, or its node or the link to it went down"
 
     def _at(self, rank: int) -> int:
         found = self.read(f"at/{rank}")
@@ -297,6 +317,38 @@ class Peers:
                 f"likely ended (the launcher's summary gives its exit status)"
             )
         return f"it did not answer within {waited:.3g} s (it was {where})"
+
+
+class StoreCalls:
+    """Store operations run one at a time on a thread of their own, each waited for at most
+    a bound: one that blocks (a cut link) is left behind there, and its caller goes on. torch's
+    client releases the GIL while it waits on its socket, so the caller's wait is its own."""
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._one_caller = threading.Lock()
+        threading.Thread(target=self._serve, name="harness-store", daemon=True).start()
+
+    def run(self, operation: Callable[[], Any], bound_s: float) -> tuple[bool, Any]:
+        """(answered within `bound_s`, the result or the exception it raised)."""
+        with self._one_caller:
+            done = threading.Event()
+            box: list[Any] = []
+            self._todo.put((operation, done, box))
+            if not done.wait(bound_s):
+                return False, None
+            return True, box[0]
+
+    def _serve(self) -> None:
+        while True:
+            operation, done, box = self._todo.get()
+            try:
+                box.append(operation())
+            except BaseException as exc:  # handed to the caller, who decides
+                box.append(exc)
+            done.set()
 
 
 def store_is_here(launch: Launch) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -351,7 +352,8 @@ def test_depends_on_the_node(i):
     out = result.output
     assert "the launched ranks collected different tests" in out
     named = "test_collect.py::test_depends_on_the_node[2]"
-    assert f"rank 1 collected 1 test(s) rank 0 did not ({named})" in out
+    host = socket.gethostname()
+    assert f"rank 1 (node 0 (host {host})) collected 1 test(s) rank 0 did not ({named})" in out
     assert result.exit_codes() == [2, 2], out
 
 
