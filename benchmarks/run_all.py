@@ -8,6 +8,7 @@ from pathlib import Path
 
 from benchmarks import (
     adopt,
+    cluster,
     collectives,
     compute,
     coverage_cost,
@@ -74,6 +75,9 @@ def main() -> int:
     _write(lines)
     print("measuring a one-test session, with ranks and plain...", flush=True)
     lines += first_test.main()
+    _write(lines)
+    print("measuring launched ranks (torchrun, one agent per node) against warm ranks...")
+    lines += cluster.main()
     _write(lines)
     print("measuring rank starts with the tests' imports preloaded...", flush=True)
     lines += ["", "## Ranks started with the tests' imports loaded", "", *preload.main()]

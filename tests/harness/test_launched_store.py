@@ -4,12 +4,20 @@ in a later one. Each job's keys go under a prefix made from every rank's random 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from typing import Any
+
+import pytest
 
 from harness.common import loopback
 from harness.common.launch_detect import Launch
-from harness.launched.store import Peers
+from harness.launched import store as store_module
+from harness.launched.store import Peers, StoreCalls
 
 SECRET = b"a-secret-of-this-user-32-bytes!!"
 
@@ -66,3 +74,86 @@ def test_a_value_replayed_from_an_earlier_job_is_not_read() -> None:
 def test_without_a_fresh_prefix_the_replay_would_be_read() -> None:
     """The attack is real: with the first exchange's prefix alone, it is read."""
     assert _replayed_outcome_read(freshen=False) is not None
+
+
+STORE_SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def _store_elsewhere() -> tuple[subprocess.Popen[str], int]:
+    """A store in a process of its own (the node that holds it), and its port."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    return server, int(server.stdout.readline())
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    server.kill()
+    server.wait()
+    if server.stdout is not None:
+        server.stdout.close()
+
+
+def test_a_store_that_goes_away_is_lost_and_nothing_waits_on_it() -> None:
+    """The node of rank 0 and the store lost: every store call failed with torch's
+    DistNetworkError (an INTERNALERROR with C++ frames, four times). The store is marked lost
+    with torch's first line, and from then a write is dropped, a read finds nothing, and a
+    gather finds every other rank absent for that reason, at once."""
+    server, port = _store_elsewhere()
+    try:
+        peers = Peers(_launch(port, 1), 30.0, None)
+        peers.put("at/1", "0")
+        assert peers.read("at/1") == b"0" and not peers.lost
+        _stop(server)
+        peers.put("at/1", "2")  # no error (a write may go out before the reset comes back)
+        assert not peers.has("at/1")  # nor here: the store is lost
+        assert peers.lost.startswith("DistNetworkError: ") and "\n" not in peers.lost
+        assert "frame #" not in peers.lost
+        started = time.monotonic()
+        found, absent = peers.gather("t0/outcome", "mine", 300.0, set())
+        assert time.monotonic() - started < 5.0  # no wait on a store that is gone
+        assert found == [None, None]
+        assert absent == {0: f"the launch's store stopped answering ({peers.lost})"}
+        assert peers.read("at/1") is None and not peers.has("at/1")
+    finally:
+        _stop(server)
+
+
+def test_a_store_that_stops_answering_is_lost_after_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a cut link no error comes: torch's call blocks until TCP gives up (about 15
+    minutes), its own timeout notwithstanding. Each call is waited for on a thread of its
+    own; one unanswered for STORE_ANSWER_S (1 s here, 30 s by default) marks the store lost."""
+    monkeypatch.setattr(store_module, "STORE_ANSWER_S", 1.0)
+    server, port = _store_elsewhere()
+    try:
+        peers = Peers(_launch(port, 1), 30.0, None)
+        peers.put("at/1", "0")
+        os.kill(server.pid, signal.SIGSTOP)  # the store's node no longer answers
+        started = time.monotonic()
+        assert not peers.has("at/1")
+        assert time.monotonic() - started < 10.0
+        assert peers.lost == ("no answer within 1 s: the link to its node, or the node, is down")
+        peers.put("at/1", "1")  # returns at once: the store is lost
+        assert time.monotonic() - started < 10.0
+    finally:
+        _stop(server)
+
+
+def test_store_calls_are_bounded_and_keep_their_errors() -> None:
+    calls = StoreCalls()
+    assert calls.run(lambda: 7, 5.0) == (True, 7)
+    answered, error = calls.run(lambda: int("x"), 5.0)
+    assert answered and isinstance(error, ValueError)
+    blocked = threading.Event()
+    assert calls.run(lambda: blocked.wait(60), 0.2) == (False, None)
+    blocked.set()

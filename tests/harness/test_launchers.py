@@ -4,17 +4,25 @@ several processes given those variables, as srun and mpirun give them)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from harness.common.hostlist import HostListError, expand_hosts, expand_tasks_per_node
 from harness.common.launch_detect import DERIVED_PORTS, LaunchError, detect, export
-from tests.harness.conftest import HEADER
+from harness.common.outcome import Ending, RankOutcome, failure_text, without_cpp_frames
+from harness.launched.terminal import stop_report
+from tests.harness.conftest import HEADER, assert_all_gone, kill_quietly
+
+LAUNCH_BOUND_S = 240  # torchrun starting 4 pytest processes that import torch, on 2 cores
 
 # What srun gives task 3 of `srun --nodes 2 --ntasks-per-node 2` (job 4242, step 0).
 SRUN = {
@@ -241,3 +249,160 @@ def test_pytest_started_by_mpirun_directly_gives_one_verdict(pytester: pytest.Py
     results = _tasks(pytester.path, environs)
     assert [code for code, _ in results] == [0, 0], results  # rank 2 does not exist here
     assert "4 passed" in results[0][1], results[0][1]
+
+
+# ---- a lost node, as the report says it (no processes) ----------------------------------------
+
+
+def test_a_lost_node_is_named_once_with_its_ranks_as_the_root_cause() -> None:
+    """Its ranks gave no outcome: the summary names the node and its ranks once, ahead of
+    the ranks that hung at the deadline waiting on it (a hang's time is when it was found,
+    not when it began), and their sections are not repeated."""
+    lost = "node 1 (host n2) was lost: none of its ranks gave an outcome"
+    outcomes = [
+        RankOutcome("k", 0, 100, Ending.HUNG, at=30.0, notes=["still running at the timeout"]),
+        RankOutcome("k", 1, 101, Ending.HUNG, at=30.0),
+        RankOutcome("k", 2, 0, Ending.LOST, message=lost, at=31.0),
+        RankOutcome("k", 3, 0, Ending.LOST, message=lost, at=31.0),
+    ]
+    text = failure_text(outcomes)
+    assert text is not None
+    assert text.splitlines()[0] == f"{lost} (ranks 2, 3); ranks 0, 1 also failed"
+    assert "rank 2 (pid unknown)" in text and "rank 3 (pid" not in text, text
+
+
+def test_torchs_cpp_frames_are_cut_from_what_a_rank_printed() -> None:
+    said = (
+        "[W TCPStore.cpp:106] sendBytes failed: Broken pipe\n"
+        "Exception raised from sendBytes at Utils.hpp:758 (most recent call first):\n"
+        "frame #0: c10::Error::Error() + 0x9d\n"
+        "frame #1: c10::DistError::DistError() + 0x72\n"
+        "<omitting python frames>\n"
+        "frame #33: _start + 0x21\n"
+        "the test's own line\n"
+    )
+    assert without_cpp_frames(said) == (
+        "[W TCPStore.cpp:106] sendBytes failed: Broken pipe\n"
+        "[4 C++ frames omitted]\n"
+        "the test's own line\n"
+    )
+
+
+def test_the_stop_report_names_a_node_whose_every_rank_went_first() -> None:
+    placement = {r: f"node {r // 2} (host n{r // 2 + 1})" for r in range(6)}
+    text = stop_report("t.py::test_mid", 6, {2: "", 3: "", 5: "it died: SIGKILL"}, placement)
+    assert text.splitlines()[0] == (
+        "FAILED t.py::test_mid - the launcher stopped the job: node 1 (host n2) was lost "
+        "(ranks 2, 3); rank 5 ended first"
+    )
+    assert "  rank 5 ended first: it died: SIGKILL" in text
+    assert "  ranks 0, 1, 4 were stopped by the launcher" in text
+
+
+# ---- two torchrun agents as two nodes, either lost mid-test -----------------------------------
+
+TWO_NODES = """
+import os, time
+from pathlib import Path
+import pytest, torch, torch.distributed as dist
+
+MARKS = Path(os.environ["MARKS"])
+
+@pytest.mark.ranks
+def test_first(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+
+@pytest.mark.ranks(timeout=60)
+def test_mid(rank):
+    (MARKS / f"in-{rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 60  # a bound: the node is lost long before
+    while not (MARKS / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the lost node's ranks never come
+
+@pytest.mark.ranks
+def test_after(rank):
+    dist.barrier()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its children (an agent and its workers)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = [pid]
+    with contextlib.suppress(OSError):
+        found += [int(c) for c in children.read_text().split()]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["store", "other"], ids=["rank 0's node", "the other node"])
+def test_two_agents_as_two_nodes_either_lost_mid_test(
+    pytester: pytest.Pytester, victim: str
+) -> None:
+    """Two torchrun agents on this machine, each a node of 2 ranks; one node killed (its
+    agent and workers) mid-test. Losing rank 0's node, which holds the store, gave
+    `INTERNALERROR ... DistNetworkError: Broken pipe` four times with C++ frames and no
+    verdict. The surviving node now gives the test's verdict naming the lost node and its
+    ranks, writes torchrun's error files, and nothing is left running."""
+    pytester.makepyfile(test_nodes=TWO_NODES)
+    marks = pytester.path / "marks"
+    marks.mkdir()
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
+    env.update({"MARKS": str(marks), "OMP_NUM_THREADS": "1"})
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+             "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=two-nodes", f"--log-dir={pytester.path / f'logs-{i}'}", "-m",
+             "pytest", "-p", "harness", "-p", "no:cacheprovider", "-rA", "test_nodes.py"],
+            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    everything: list[int] = []
+    try:
+        deadline = time.monotonic() + LAUNCH_BOUND_S
+        while len(list(marks.glob("in-*"))) < 4:
+            assert time.monotonic() < deadline, "the ranks never reached test_mid"
+            time.sleep(0.1)
+        pids = {int(p.name[3:]): int(p.read_text()) for p in marks.glob("in-*")}
+        parent = {r: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                  for r, pid in pids.items()}  # fmt: skip
+        holds_rank_0 = next(a for a in agents if a.pid == parent[0])
+        lost = (
+            holds_rank_0 if victim == "store" else next(a for a in agents if a is not holds_rank_0)
+        )
+        survivor = next(a for a in agents if a is not lost)
+        lost_ranks = sorted(r for r in pids if parent[r] == lost.pid)
+        everything = [p for agent in agents for p in _tree(agent.pid)]
+        (marks / "go").touch()  # the survivors go into the collective
+        kill_quietly(_tree(lost.pid))
+        out, _ = survivor.communicate(timeout=LAUNCH_BOUND_S)
+        lost.communicate(timeout=60)
+    finally:
+        for agent in agents:
+            agent.kill()
+        kill_quietly(everything)
+    logs = pytester.path / f"logs-{agents.index(survivor)}"
+    workers = "".join(p.read_text(errors="replace") for p in sorted(logs.rglob("*.log")))
+    said = out + workers
+    node = lost_ranks[0] // 2
+    phrase = f"ranks {lost_ranks[0]}, {lost_ranks[1]}"
+    assert re.search(rf"node {node} \(host [^)]+\) was lost: .*\({phrase}\)", said), said[-8000:]
+    assert "FAILED test_nodes.py::test_mid" in said
+    assert "INTERNALERROR" not in said and "frame #" not in workers, said[-8000:]
+    files = [json.loads(p.read_text()) for p in logs.rglob("error.json")]
+    assert files and all(f"node {node} (host" in json.dumps(f) for f in files), files
+    assert_all_gone(everything, timeout=60)

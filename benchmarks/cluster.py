@@ -1,0 +1,135 @@
+"""Per-test overhead of launched ranks (torchrun, one agent per node, c10d rendezvous) against
+the same tests on warm ranks, at 2x2, 3x2 and 4x4 ranks, and how each grows with ranks.
+
+Each shape runs one suite of trivial ranks tests (an all_reduce and an assert) twice in the
+same run: under torchrun with `nodes` agents of `per_node` ranks each on this machine (loopback;
+the agents are the nodes), and as a plain session on warm ranks (`--ranks nodes*per_node`).
+Measured: each test's wall time on rank 0 (set-up, call and teardown; the first test, which
+sets the group up, left out), its median, and the launched/warm ratio. With 2 cores, 16 ranks
+oversubscribe the CPU several times: compare within a row, and the growth across rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from benchmarks._common import TIMING_CONFTEST, print_and_exit
+
+SHAPES = ((2, 2), (3, 2), (4, 4))  # (nodes, ranks per node)
+TESTS = 30
+BOUND_S = 900  # one session, a safety net far above its minute
+
+SUITE = f"""
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("i", range({TESTS}))
+def test_trivial(rank, world_size, i):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+"""
+# Rank 0 alone records the times under a launch (every rank runs every test).
+CONFTEST = TIMING_CONFTEST.replace(
+    "def pytest_sessionfinish(session):\n",
+    "def pytest_sessionfinish(session):\n    if os.environ.get('RANK', '0') != '0':\n"
+    "        return\n",
+)
+
+
+def _folder(parent: Path, name: str) -> Path:
+    folder = parent / name
+    folder.mkdir()
+    (folder / "conftest.py").write_text(CONFTEST)
+    (folder / "test_suite.py").write_text(textwrap.dedent(SUITE))
+    return folder
+
+
+def _env(times: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
+    return {**env, "BENCH_TIMES": str(times), "OMP_NUM_THREADS": "1"}
+
+
+def launched(folder: Path, nodes: int, per_node: int, port: int) -> list[float]:
+    """Each test's time on rank 0 of a torchrun launch of `nodes` agents on this machine."""
+    times = folder / "times.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+        f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}",
+        "-m", "pytest", "-q", "-p", "harness", "-p", "no:cacheprovider", ".",
+    ]  # fmt: skip
+    quiet = subprocess.DEVNULL
+    agents = [
+        subprocess.Popen(command, cwd=folder, env=_env(times), stdout=quiet, stderr=quiet)
+        for _ in range(nodes)
+    ]
+    for agent in agents:
+        agent.wait(timeout=BOUND_S)
+    return _times(times)
+
+
+def warm(folder: Path, ranks: int) -> list[float]:
+    times = folder / "times.json"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "harness", "-p", "no:cacheprovider",
+         f"--ranks={ranks}", "."],
+        cwd=folder, env=_env(times), timeout=BOUND_S, check=False, capture_output=True,
+    )  # fmt: skip
+    return _times(times)
+
+
+def _times(path: Path) -> list[float]:
+    if not path.exists():
+        return []
+    found = json.loads(path.read_text())
+    assert all(o == "passed" for o in found["outcomes"].values()), found["outcomes"]
+    return list(found["times"].values())[1:]  # the first test sets the group up
+
+
+def main() -> list[str]:
+    lines = [
+        "",
+        "## Launched ranks against warm ranks (`benchmarks/cluster.py`)",
+        "",
+        f"A suite of {TESTS} trivial ranks tests (all_reduce, assert), per test on rank 0 "
+        f"(median, the first test left out), under torchrun with one agent per node on this "
+        f"machine, and on warm ranks, in the same run:",
+        "",
+        "| nodes x ranks | launched (torchrun) | warm ranks | launched / warm |",
+        "|---|---|---|---|",
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        for i, (nodes, per_node) in enumerate(SHAPES):
+            ranks = nodes * per_node
+            out = launched(_folder(Path(tmp), f"launched-{i}"), nodes, per_node, 29630 + i)
+            here = warm(_folder(Path(tmp), f"warm-{i}"), ranks)
+            if not out or not here:
+                lines.append(f"| {nodes}x{per_node} | no result | no result | - |")
+                continue
+            a, b = statistics.median(out), statistics.median(here)
+            rows.append((ranks, a, b))
+            lines.append(
+                f"| {nodes}x{per_node} ({ranks}) | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | "
+                f"{a / b:.2f}x |"
+            )
+    if len(rows) >= 2:
+        (r0, a0, b0), (r1, a1, b1) = rows[0], rows[-1]
+        lines += [
+            "",
+            f"From {r0} to {r1} ranks the launched per-test time grows {a1 / a0:.1f}x and the "
+            f"warm one {b1 / b0:.1f}x ({r1 / r0:.0f}x the ranks; 2 cores).",
+        ]
+    return lines
+
+
+if __name__ == "__main__":
+    print_and_exit(main())
