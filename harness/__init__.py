@@ -15,7 +15,8 @@ from harness.common.assertions import assert_close_across_ranks, assert_on_all_r
 from harness.common.expect import Expected, aborts, exits, hangs, killed, raises, returns
 from harness.common.faults import Fault, fault_point
 from harness.common.outcome import Ending, RankOutcome
-from harness.runner import RankRunner, RanksReplacedWarning, WorldOutcome
+from harness.run_on_ranks import RankRunner, WorldOutcome
+from harness.runner import RanksReplacedWarning
 
 if TYPE_CHECKING:
     from harness.kept_pool import RankPool, RankPoolError

@@ -31,13 +31,13 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import packing, runner, seeds
+from harness import packing, runner, seeds, timeout_interop, verdict
 from harness.common import rank_warnings
 from harness.common.errors import SpecError
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
-from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
+from harness.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
 from harness.warm import session as warm
 
 TORCH_BASES = "torch.testing._internal.common_distributed"
@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
             torchs = _torchs_timeout(item)
-            item.stash[_timeout_key] = timeout_for(settings, None, "", item, torchs)
+            item.stash[_timeout_key] = session_timeout(settings, item, torchs)
 
 
 def _torchs_timeout(item: pytest.Item) -> float:
@@ -369,9 +369,7 @@ def adopted_spec(item: pytest.Item, world_size: int, timeout: float | None = Non
     settings = settings_of(item.config)
     return RankSpec(
         world_size=world_size,
-        timeout_s=timeout
-        or item.stash.get(_timeout_key, None)
-        or timeout_for(settings, None, "", item),
+        timeout_s=timeout or item.stash.get(_timeout_key, None) or session_timeout(settings, item),
         backend=settings.backend,
         start_method=settings.start_method,
         bare=True,
@@ -387,7 +385,7 @@ def run_and_judge(
     item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     """`entry(*args, rank=r)` on every warm rank of `spec`, judged by torch's rules."""
-    with runner.pytest_timeout_paused(item):
+    with timeout_interop.pytest_timeout_paused(item):
         outcomes = run_adopted(item, spec, entry, args)
     runner.after_body(item, spec, outcomes, judged_by=judge_adopted)
 
@@ -397,8 +395,8 @@ def run_adopted(
 ) -> list[RankOutcome]:
     """`entry(*args, rank=r)` on every warm rank of `spec`, after the ranks imported the
     module of `args[0]` (the class's Target) under the import's own bound. The harness's
-    timer bounds the ranks; the caller pauses pytest-timeout's (runner.pytest_timeout_paused:
-    it bounds the class's own set-up and tear-down here around them)."""
+    timer bounds the ranks; the caller pauses pytest-timeout's (see timeout_interop: it
+    bounds the class's own set-up and tear-down here around them)."""
     case: Target = args[0]
     outcomes = warm.import_ahead(item.config, item, spec, case)
     if all(o.ok for o in outcomes):
@@ -412,7 +410,7 @@ def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]
     outcomes = [as_skip(o) for o in outcomes]
     if all(o.ending is Ending.SKIPPED for o in outcomes):
         raise unittest.SkipTest(outcomes[0].message)
-    runner.judge(item, spec, outcomes)
+    verdict.judge(item, spec, outcomes)
 
 
 def as_skip(outcome: RankOutcome) -> RankOutcome:

@@ -36,12 +36,12 @@ from typing import Any
 
 import pytest
 
-from harness import adopt, build_lock, packing, runner, shared_memory
+from harness import adopt, build_lock, packing, runner, shared_memory, timeout_interop
 from harness.common.errors import SpecError
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
 from harness.rank import adopted_deepspeed
-from harness.settings import DEFAULT_TIMEOUT_S, settings_of, timeout_for
+from harness.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
 
 BASE = "DistributedExec"
 # What the base must have for the adapter to follow it, and what a class must not override
@@ -228,7 +228,7 @@ def run_world(exec_: Any, item: pytest.Item, num_procs: int, store_dir: str) -> 
     spec = adopt.adopted_spec(item, num_procs, timeout=_timeout(item, exec_))
     deepspeed = sys.modules.get("deepspeed")
     session = _session(item.config)
-    with runner.pytest_timeout_paused(item), _held_port() as port:
+    with timeout_interop.pytest_timeout_paused(item), _held_port() as port:
         args = (
             packing.function_target(type(exec_)),
             exec_,
@@ -322,7 +322,7 @@ def _timeout(item: pytest.Item, exec_: Any) -> float:
     own = os.environ.get("DS_UNITTEST_TIMEOUT")
     bound = getattr(exec_, "exec_timeout", None) if own else None
     default = float(bound) if isinstance(bound, int | float) and bound > 0 else DEFAULT_TIMEOUT_S
-    return timeout_for(settings_of(item.config), None, "", item, default)
+    return session_timeout(settings_of(item.config), item, default)
 
 
 def _picklable(exec_: Any) -> None:

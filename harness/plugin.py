@@ -12,11 +12,23 @@ from typing import Any
 
 import pytest
 
-from harness import junit_labels, made_in_ranks, packing, runner, seam, seeds, settings, specs
+from harness import (
+    junit_labels,
+    made_in_ranks,
+    packing,
+    runner,
+    seam,
+    seeds,
+    settings,
+    specs,
+    timeout_interop,
+    verdict,
+)
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
+from harness.run_on_ranks import RankRunner
 from harness.seam import ranks_of
 from harness.specs import SPEC_ERROR_KEY, SPEC_KEY
 from harness.warm import preload
@@ -187,7 +199,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     pytest-timeout's still bounds the set-up and teardown around it."""
     if SPEC_KEY not in item.stash:
         return (yield)
-    with runner.pytest_timeout_paused(item):
+    with timeout_interop.pytest_timeout_paused(item):
         return (yield)
 
 
@@ -206,8 +218,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.excinfo is not None and call.excinfo.errisinstance(HarnessError):
         report.harness_error = True  # travels with the report (xdist serialises __dict__)
     if call.when == "call":
-        runner.refuse_xfail(item, report)
-        runner.place_skip(item, report)
+        verdict.refuse_xfail(item, report)
+        verdict.place_skip(item, report)
     spec = item.stash.get(SPEC_KEY, None)
     if spec is not None:
         report.harness_world_size = spec.world_size  # -v's line says it (and travels, as above)
@@ -394,11 +406,11 @@ def rank_faults() -> list[Fault]:
 
 
 @pytest.fixture
-def run_on_ranks(request: pytest.FixtureRequest) -> runner.RankRunner:
+def run_on_ranks(request: pytest.FixtureRequest) -> RankRunner:
     """Call ``run_on_ranks(fn, *args, world_size=N, timeout=S, launch=False, **kwargs)``.
 
     Runs ``fn`` on every rank (with a fresh process group, or torchrun's environment and
     none when ``launch=True``) and returns a :class:`WorldOutcome` with every rank's ending,
     value, exception, exit code or signal. It never raises for what a rank did.
     """
-    return runner.RankRunner(request.config, request.node)
+    return RankRunner(request.config, request.node)

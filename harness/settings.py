@@ -406,6 +406,15 @@ def timeout_for(
     return default
 
 
+def session_timeout(
+    settings: Settings, node: pytest.Item | None = None, default: float = DEFAULT_TIMEOUT_S
+) -> float:
+    """The bound of a run that names none of its own (an adopted test, the session's waits
+    on launched peers): `node`'s timeout marker, then the session's options, then `default`
+    (see timeout_for)."""
+    return timeout_for(settings, None, "", node, default)
+
+
 def _turns_pytest_timeout_off(value: Any) -> bool:
     """Whether a timeout marker's value means no timeout to pytest-timeout (0 or less)."""
     try:

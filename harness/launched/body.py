@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from harness import runner
+from harness import timeout_interop
 from harness.common import endings, environment, reaper
 from harness.common.errors import HarnessError
 from harness.common.faults import Fault, Injector
@@ -74,7 +74,7 @@ def agree_on_set_up(
     said = "" if error is None else _said(error)
     if error is not None and type(error).__name__ != "Skipped":
         session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
-    with runner.pytest_timeout_paused(item):  # a slow peer's set-up is its own to time
+    with timeout_interop.pytest_timeout_paused(item):  # a slow peer's set-up is its own to time
         found = session.gather(f"{key}/setup", said, ARRIVE_S)
     by_rank = {
         r: (blob.decode(errors="replace") if blob is not None else None)

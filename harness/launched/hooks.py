@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness import hypothesis_search, runner, seam
+from harness import hypothesis_search, seam, timeout_interop
 from harness.common import faults, torch_import_warnings
 from harness.common.launch_detect import Launch
 from harness.common.outcome import RankOutcome, without_cpp_frames
@@ -146,7 +146,7 @@ class LaunchedPlugin:
 @contextlib.contextmanager
 def _fixtures_bounded(launched: LaunchedSession, item: pytest.Item, phase: str) -> Iterator[None]:
     """pytest-timeout's bound on this phase's fixtures, also where its signal cannot act."""
-    bound = runner.pytest_timeout_of_fixtures(item)
+    bound = timeout_interop.pytest_timeout_of_fixtures(item)
     if bound is None or launched.peers is None:
         yield
         return

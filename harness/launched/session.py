@@ -37,7 +37,7 @@ from harness.launched import records, terminal
 from harness.launched.store import QUIET_AFTER_S, Peers, first_line, store_gone
 from harness.launched.watch import Watch
 from harness.rank import group_release
-from harness.settings import settings_of, timeout_for
+from harness.settings import session_timeout, settings_of
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.
@@ -128,7 +128,7 @@ class LaunchedSession:
         """Join the launch's store; start saying this rank is alive. A store this rank
         cannot reach within the test timeout (its node down, or the link to it) ends this
         rank's session, saying so."""
-        bound = max(CONNECT_S, timeout_for(settings_of(self.config), None, "", None))
+        bound = max(CONNECT_S, session_timeout(settings_of(self.config)))
         try:
             self.peers = Peers(self.launch, bound, settings_of(self.config).secret)
         except Exception as exc:
@@ -144,7 +144,7 @@ class LaunchedSession:
         self.peers.position = lambda: self.stage
         self.peers.name_of = self._name_of
         # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
-        self.peers.silent_elsewhere_s = timeout_for(settings_of(self.config), None, "", None)
+        self.peers.silent_elsewhere_s = session_timeout(settings_of(self.config))
         self.put(f"pid/{self.rank}", str(os.getpid()))  # for the report if this rank dies
         self.watch.start_heartbeat(self.peers)
 

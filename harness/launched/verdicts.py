@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from harness import runner
+from harness import timeout_interop
 from harness.common.outcome import ranks_phrase, report_looks_collateral
 from harness.launched import records
 from harness.launched.session import LaunchedSession
-from harness.settings import settings_of, timeout_for
+from harness.settings import session_timeout, settings_of
 
 
 def fixtures_key(launched: LaunchedSession) -> str:
@@ -46,7 +46,7 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     }
     # pytest-timeout off while this rank waits: a slow peer's own timer fails its own test,
     # and this rank then reports it (not a timeout in the harness's wait).
-    with runner.pytest_timeout_paused(item):
+    with timeout_interop.pytest_timeout_paused(item):
         key = f"{launched.test_key()}/plain"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     if launched.absent:
@@ -131,7 +131,7 @@ def _gather_releasing_peers(
 
 
 def _timeout(launched: LaunchedSession) -> float:
-    return timeout_for(settings_of(launched.config), None, "", None)
+    return session_timeout(settings_of(launched.config))
 
 
 # What each rank publishes of a test without ranks, and of a teardown.
@@ -180,7 +180,8 @@ def teardown_verdict(
         return
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
     lost_before = set(launched.lost) | {launched.rank}
-    with runner.pytest_timeout_paused(item):  # as for the verdict: a slow peer times itself
+    # As for the verdict: a slow peer times itself.
+    with timeout_interop.pytest_timeout_paused(item):
         key = f"{launched.test_key()}/teardown"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     gone = {r: why for r, why in launched.absent.items() if r not in lost_before}
