@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,3 +119,18 @@ def print_and_exit(lines: list[str]) -> None:
     """A benchmark run alone: print its lines, and exit non-zero if it missed a target."""
     print("\n".join(lines), flush=True)
     sys.exit(1 if missed(lines) else 0)
+
+
+def replaced_ranks(output: str) -> str:
+    """'N (reason: count, ...)' from the RanksReplacedWarnings in a run's warnings summary."""
+    reasons: Counter[str] = Counter()
+    tests = 0
+    for line in output.splitlines():
+        _, found, message = line.partition("RanksReplacedWarning: ")
+        if not found:
+            continue
+        tests += 1
+        # Each rank's reason reads "rank N <why> (<details>); the ranks are replaced ...".
+        reasons.update(set(re.findall(r"rank \d+ ([^(;]+?)(?: \(|;|$)", message)))
+    listed = ", ".join(f"{why}: {n}" for why, n in reasons.most_common())
+    return f"{tests} ({listed})" if tests else "none"

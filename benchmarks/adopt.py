@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -24,13 +23,12 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import TIMING_CONFTEST, missed, run_pytest
+from benchmarks._common import TIMING_CONFTEST, missed, replaced_ranks, run_pytest
 
 PASSING = 24
 WORLD_SIZE = 2
@@ -366,21 +364,6 @@ def _ended_or_killed(proc: subprocess.Popen[bytes], left_s: float) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return True
-
-
-def replaced_ranks(output: str) -> str:
-    """'N (reason: count, ...)' from the RanksReplacedWarnings in a run's warnings summary."""
-    reasons: Counter[str] = Counter()
-    tests = 0
-    for line in output.splitlines():
-        _, found, message = line.partition("RanksReplacedWarning: ")
-        if not found:
-            continue
-        tests += 1
-        # Each rank's reason reads "rank N <why> (<details>); the ranks are replaced ...".
-        reasons.update(set(re.findall(r"rank \d+ ([^(;]+?)(?: \(|;|$)", message)))
-    listed = ", ".join(f"{why}: {n}" for why, n in reasons.most_common())
-    return f"{tests} ({listed})" if tests else "none"
 
 
 def whole_file(title: str, source: str, conftest: str, tests: int, target: float) -> list[str]:

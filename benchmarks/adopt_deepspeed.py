@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import OUT, TIMING_CONFTEST, Sample
+from benchmarks._common import OUT, TIMING_CONFTEST, Sample, replaced_ranks
 from harness import shared_memory
 
 SELECTION = (  # CPU-runnable with gloo: comm, runtime, utils, ZeRO stages 1-3 on small models
@@ -218,8 +218,6 @@ def selection(python: str, src: Path) -> list[str]:
     ratio = before.seconds / after.seconds if after.seconds else 0.0
     adopted_times = [s for n, s in after.found["times"].items() if now.get(n) == "passed"]
     as_is_times = [s for n, s in before.found["times"].items() if was.get(n) == "passed"]
-    from benchmarks.adopt import replaced_ranks
-
     return [
         f"## DeepSpeed's unit tests ({len(was)} tests in {len(files)} files, CPU, gloo), "
         f"one session each",

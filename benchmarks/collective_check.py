@@ -49,7 +49,7 @@ def _note_cost_us() -> float:
         tensors, rounds = [torch.ones(1)], 20000
         start = time.perf_counter()
         for _ in range(rounds):
-            kept_group._note_issued("allreduce", (tensors, None))
+            kept_group.note_issued("allreduce", (tensors, None))
         return (time.perf_counter() - start) / rounds * 1e6
 
 

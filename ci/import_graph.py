@@ -12,9 +12,12 @@ by folder, so that a new module is held to them by where it lies:
   ``harness/common/``: a rank runs tests, the pytest process judges them;
 - nothing outside ``harness/launched/`` imports it but ``plugin.py`` (and the package's
   ``pytest_plugins`` list, which names ``launched.reports``: its early configure);
-- no module of ``harness/`` or ``lib/`` imports another module's private name (``_x``), or
-  a private module of another package (``rankwise._wire`` from the harness); a package's own
-  private modules are its own (``rankwise._launch`` from ``rankwise._plan``).
+- no module of ``harness/``, ``lib/`` or ``benchmarks/`` imports another module's private
+  name (``_x``), or a private module of another package (``rankwise._wire`` from the
+  harness); a package's own private modules are its own (``rankwise._launch`` from
+  ``rankwise._plan``, ``benchmarks._common`` from ``benchmarks.adopt``).
+
+The benchmarks are in the graph too: no circle among them either.
 
 ``python ci/import_graph.py`` prints the graph's edges and any broken rule (exit status 1).
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "harness"
-SOURCES = (ROOT / "harness", ROOT / "lib" / "rankwise")
+SOURCES = (ROOT / "harness", ROOT / "lib" / "rankwise", ROOT / "benchmarks")
 COMMON = "harness.common"  # both processes
 RANK_SIDE = "harness.rank"  # inside a rank only
 LAUNCH = "harness.launched"  # pytest under torchrun, entered through plugin.py alone
@@ -104,7 +107,7 @@ def _is_module_string(node: ast.AST) -> bool:
     return (
         isinstance(node, ast.Constant)
         and isinstance(node.value, str)
-        and node.value.split(".")[0] in ("harness", "rankwise")
+        and node.value.split(".")[0] in ("harness", "rankwise", "benchmarks")
     )
 
 
@@ -124,7 +127,8 @@ def _known(name: str, known: set[str]) -> str:
 
 
 def graph() -> dict[str, set[str]]:
-    found = modules()
+    """The harness's and the benchmarks' modules, and which of them each imports."""
+    found = modules() | modules(ROOT / "benchmarks")
     known = set(found)
     return {name: imports_of(name, path, known) for name, path in found.items()}
 
@@ -284,6 +288,7 @@ def _dotted_module(node: ast.AST, bound: dict[str, str]) -> str | None:
 _MODULE_NAMES = {
     "harness": set(modules(PACKAGE)),
     "rankwise": set(modules(ROOT / "lib" / "rankwise")),
+    "benchmarks": set(modules(ROOT / "benchmarks")),
 }
 
 

@@ -80,7 +80,7 @@ def _reset_counts() -> None:
         _board[: 2 * COUNT_SIZE] = bytes(2 * COUNT_SIZE)
 
 
-def _note_issued(name: str, args: tuple[Any, ...]) -> None:
+def note_issued(name: str, args: tuple[Any, ...]) -> None:
     """One more operation issued; a collective's fingerprint is written before its count,
     so the pytest side never reads a count whose fingerprint is not there yet."""
     global _issued, _collectives
@@ -218,7 +218,7 @@ def _watching(name: str, original: Any, count: Any) -> Any:
             return original(group, *args, **kwargs)
         if count is not None:
             count(_current, *args, **kwargs)
-        _note_issued(name, args)
+        note_issued(name, args)
         work = original(group, *args, **kwargs)
         if hasattr(work, "is_completed"):
             _note_unfinished(_current, work)

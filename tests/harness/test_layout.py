@@ -34,6 +34,9 @@ def test_the_import_rules_hold() -> None:
     edges = graph.graph()  # type: ignore[attr-defined]
     assert graph.broken_rules(edges) == []  # type: ignore[attr-defined]
     assert "harness.launched.hooks" in edges["harness.plugin"]  # the one way in
+    # The benchmarks are in it too (adopt.py and adopt_deepspeed.py imported each other).
+    assert "benchmarks._common" in edges["benchmarks.adopt_deepspeed"]
+    assert "benchmarks.adopt" not in edges["benchmarks.adopt_deepspeed"]
 
 
 def test_the_rules_catch_what_they_are_for() -> None:
