@@ -19,11 +19,13 @@ from harness.run_on_ranks import RankRunner, WorldOutcome
 from harness.runner import RanksReplacedWarning
 
 if TYPE_CHECKING:
+    from harness.adopt import Adopter
     from harness.kept_pool import RankPool, RankPoolError
     from harness.simulate import ThreadedWorldError
     from harness.spawning import spawn
 
 __all__ = [
+    "Adopter",
     "Ending",
     "Expected",
     "Fault",
@@ -50,6 +52,7 @@ __all__ = [
 # modules itself (after marking them for assertion rewriting), or it warns, and a project
 # with filterwarnings = error cannot start when the entry point loads this package.
 _LAZY = {
+    "Adopter": "harness.adopt",
     "ThreadedWorldError": "harness.simulate",
     "RankPool": "harness.kept_pool",
     "RankPoolError": "harness.kept_pool",
@@ -81,7 +84,6 @@ pytest_plugins = [
     "harness.plugin",
     "harness.simulate",
     "harness.adopt",
-    "harness.adopt_deepspeed",
     "harness.spawning",
     "harness.kept_pool",
     "harness.launched.reports",

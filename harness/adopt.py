@@ -1,146 +1,209 @@
-"""Existing torch suites on warm ranks: ``--rank-adopt torch`` (ini ``rank_adopt = torch``;
-DeepSpeed's are adopt_deepspeed.py's, and ``--rank-adopt torch,deepspeed`` names both).
+"""Existing suites on warm ranks: ``--rank-adopt torch,deepspeed`` (ini ``rank_adopt``), or a
+project's own base. The seam: an Adopter is one multi-rank test base; torch's
+``MultiProcessTestCase`` family (adopt_torch.py) and DeepSpeed's ``DistributedTest``
+(adopt_deepspeed.py) are two instances, and a project adds its own from the
+``pytest_harness_adopters`` hook (docs/existing-suites.md, "Adopt your project's base").
+Here: the Adopter base, the registry (``--rank-adopt``'s values come from it), the hooks that
+hand each test to the adopters the session asked for, and the steps they share.
 
-Tests whose class derives from torch's ``MultiProcessTestCase`` or ``MultiProcContinuousTest``
-(``torch.testing._internal.common_distributed``) keep their source. Their parent-side
-``setUp``/``tearDown`` (and ``setUpClass``) run in the pytest process as unittest runs them;
-each rank runs the class's own per-rank entry point (``_run``, or ``_worker_loop`` for the
-continuous base) on a warm rank. Only the spawning and the joining change: instead of starting
-processes, the parent hands the test to the harness, which judges every rank's end (a rank's
-``sys.exit`` fails), reports the root cause first, bounds a hang with every rank's stack, and
-leaves no process behind.
-
-A class whose spawning or joining the adapter cannot follow runs as before, and the terminal
-summary gets one line saying why. Imports no torch: a class can only derive from these bases
-once its test module has imported torch's module.
+An adopter replaces only how its base starts and joins processes; the rest is written once
+here: the run's spec (no group set up: the class sets its own; the harness's bound, hygiene
+and seed), the ranks' import of the class's module under its own bound, the run on warm
+ranks, the one sequence after a body (runner.after_body) with the adopter's verdict, and
+one line in the summary for each class that runs as before, saying why. Imports no torch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import os
-import sys
-import tempfile
-import types
-import unittest
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from harness import packing, runner, seeds, timeout_interop, verdict
+from harness import adopters, packing, runner, seeds, timeout_interop
 from harness.common import rank_warnings
-from harness.common.errors import SpecError
-from harness.common.outcome import Ending, RankOutcome
+from harness.common.errors import invalid
+from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.rank import adopted
-from harness.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
+from harness.settings import session_timeout, settings_of
 from harness.warm import session as warm
 
-TORCH_BASES = "torch.testing._internal.common_distributed"
-# The base's own parts the adapter replaces or relies on: a class that overrides one of the
-# replaced ones spawns or joins in a way the adapter cannot follow.
-PROCESS_REPLACED = (
-    "_spawn_processes",
-    "_start_processes",
-    "_join_processes",
-    "_check_return_codes",
-    "join_or_run",
-)
-PROCESS_NEEDED = (*PROCESS_REPLACED, "_run", "run_test", "TEST_ERROR_EXIT_CODE")
-PROCESS_ENTRY = ("rank", "test_name", "file_name", "parent_pipe")
-CONTINUOUS_REPLACED = ("_spawn_processes", "_worker_run_main_wait")
-CONTINUOUS_NEEDED = (*CONTINUOUS_REPLACED, "_worker_loop", "_run_test_given_id")
-CONTINUOUS_ENTRY = ("rank", "world_size", "rdvz_file", "task_queue", "completion_queue")
 # What an adopted rank is checked for after the test: the base ends its processes, so a group
 # or environment left behind is normal (the worker resets both), but a thread or process that
 # keeps running would meet the next test.
 ADOPTED_HYGIENE = frozenset({"threads", "processes"})
 
-Kind = Literal["process", "continuous"]
+
+class Adopter:
+    """One multi-rank test base, adopted when ``--rank-adopt`` names it (`name`).
+
+    Override what the base needs; every method has a harmless default. The base's tests keep
+    their source: an adopter replaces only how the base starts and joins its processes, and
+    hands each test's ranks to the harness (`run`).
+    """
+
+    name = ""  # the --rank-adopt value
+    # Top-level packages the base's suites test from a source checkout: the fork server
+    # imports them early, wherever they come from (a new rank costs a fork, not their import).
+    libraries: tuple[str, ...] = ()
+
+    def claims(self, cls: type) -> bool:
+        """Whether `cls` is a test class on this base (asked of every registered adopter,
+        asked for or not: another adopter leaves such a class alone, saying which to ask)."""
+        return False
+
+    def collected(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Once the tests are collected: replace the base's launch, note each test's bound."""
+
+    def setting_up(self, item: pytest.Item) -> None:
+        """Before `item`'s set-up (its class's set-up included)."""
+
+    def calling(self, item: pytest.Item) -> None:
+        """Before `item`'s call: point the test instance's spawning at the harness."""
+
+    def ended(self, config: pytest.Config) -> None:
+        """At the session's end: put back what the adopter replaced."""
+
+    def endings(self, config: pytest.Config) -> list[Callable[[], None]]:
+        """Cleanups for the warm ranks' end when a signal ends the session (what the base's
+        runs leave outside their processes)."""
+        return []
+
+    def not_asked(self) -> str:
+        """Why a class on this base runs as it is when the session did not ask for it."""
+        return (
+            f"{self.name}'s test base starts processes of its own; add {self.name} to "
+            f"--rank-adopt to run it on warm ranks"
+        )
+
+    def run(
+        self,
+        item: pytest.Item,
+        world_size: int,
+        entry: Callable[..., Any],
+        cls: type,
+        *args: Any,
+        timeout: float | None = None,
+    ) -> None:
+        """Run `item` on `world_size` warm ranks: `entry(cls, *args, rank=r)` on each, then
+        judged as a ranks test is (every rank's end counts, the root cause first). `entry` is
+        a module-level function (the base's per-rank entry point); `cls`, the test class,
+        reaches each rank from its module as pytest imported it; `args` travel pickled."""
+        spec = adopted_spec(item, world_size, timeout)
+        targets = (packing.function_target(cls), packing.function_target(entry))
+        run_and_judge(item, spec, adopted.run_with_class, (*targets, *args))
+
+    def note(self, item: pytest.Item, why: str) -> None:
+        """`item`'s class runs as it is, and the session's summary says why, once."""
+        cls = getattr(item, "cls", None)
+        where = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else item.nodeid
+        note_not_adopted(item.config, where, why)
+
+
+class AdopterError(Exception):
+    """A project's adopter that cannot be registered: says which and why."""
+
+
+_registry_key = pytest.StashKey[dict[str, Adopter]]()
+_asked_key = pytest.StashKey[frozenset[str]]()
+
+
+def register_adopters(config: pytest.Config, built_in: list[Adopter]) -> None:
+    """The session's adopters: the harness's own (`built_in`), then the projects' (the
+    ``pytest_harness_adopters`` hook); ``--rank-adopt`` must name registered ones. What the
+    asked ones give the warm layer is handed over (adopters.py). A bad one: a usage error."""
+    found = {a.name: a for a in built_in}
+    for given in config.hook.pytest_harness_adopters(config=config):
+        for adopter in given or ():
+            why = _why_refused(adopter, found)
+            if why is not None:
+                raise pytest.UsageError(f"harness: {why}")
+            found[adopter.name] = adopter
+    asked_for = settings_of(config).adopt
+    unknown = sorted(asked_for - set(found))
+    if unknown:
+        given = config.getoption("rank_adopt", None)
+        origin = "--rank-adopt" if given is not None else "ini option 'rank_adopt'"
+        fix = (
+            f"use {', '.join(found)} (a project registers its own base's adopter with the "
+            f"pytest_harness_adopters hook)"
+        )
+        raise pytest.UsageError(f"harness: {invalid('rank_adopt', ','.join(unknown), origin, fix)}")
+    config.stash[_registry_key] = found
+    config.stash[_asked_key] = asked_for
+    chosen = asked(config)
+    libraries = frozenset(name for a in chosen for name in a.libraries)
+    adopters.give(config, libraries, [fn for a in chosen for fn in a.endings(config)])
+
+
+def _why_refused(adopter: Any, found: dict[str, Adopter]) -> str | None:
+    if not isinstance(adopter, Adopter):
+        return (
+            f"pytest_harness_adopters returned {adopter!r}: return instances of a subclass "
+            f"of harness.Adopter"
+        )
+    if not adopter.name or "," in adopter.name or adopter.name in found:
+        return (
+            f"{type(adopter).__qualname__}: its name {adopter.name!r} must be new, non-empty "
+            f"and without commas (taken: {', '.join(found)})"
+        )
+    return None
+
+
+def registered(config: pytest.Config) -> dict[str, Adopter]:
+    """Every adopter of the session, by name."""
+    return config.stash.get(_registry_key, {})
+
+
+def asked(config: pytest.Config) -> list[Adopter]:
+    """The adopters the session asked for (``--rank-adopt``), in the order registered."""
+    names = config.stash.get(_asked_key, frozenset())
+    return [a for name, a in registered(config).items() if name in names]
 
 
 @dataclass
-class _Session:
-    """What adoption knows in one pytest session: each class's verdict, the lines to print."""
-
-    kinds: dict[type, Kind | None] = field(default_factory=dict)
-    unadoptable: dict[type, str] = field(default_factory=dict)  # class -> why, once classified
+class _Summary:
     not_adopted: dict[str, str] = field(default_factory=dict)  # where -> why, of what ran
-    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
-_session_key = pytest.StashKey[_Session]()
+_summary_key = pytest.StashKey[_Summary]()
 _timeout_key = pytest.StashKey[float]()  # an adopted test's bound for its ranks, read at collection
 
 
-def _session(config: pytest.Config) -> _Session:
-    if _session_key not in config.stash:
-        config.stash[_session_key] = _Session()
-    return config.stash[_session_key]
+def _summary(config: pytest.Config) -> _Summary:
+    if _summary_key not in config.stash:
+        config.stash[_summary_key] = _Summary()
+    return config.stash[_summary_key]
 
 
-# ---- hooks ------------------------------------------------------------------------------------
+# ---- hooks: each handed to the adopters asked for -------------------------------------------
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each adopted test's bound for its ranks (the harness's timer, which reports every
-    rank's stack); pytest-timeout's still bounds what runs in this process around them."""
-    if "torch" not in settings_of(config).adopt:
-        return
-    settings = settings_of(config)
-    for item in items:
-        if _kind(item) is None:
-            continue
-        with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
-            torchs = _torchs_timeout(item)
-            item.stash[_timeout_key] = session_timeout(settings, item, torchs)
-
-
-def _torchs_timeout(item: pytest.Item) -> float:
-    """torch's own bound for the test (TIMEOUT_OVERRIDE by test name, else TIMEOUT_DEFAULT):
-    the default when the session names none of its own, so an adopted suite keeps the time
-    its tests were written for (the harness's default where torch has none)."""
-    torch_bases = sys.modules.get(TORCH_BASES)
-    default = getattr(torch_bases, "TIMEOUT_DEFAULT", None)
-    overrides = getattr(torch_bases, "TIMEOUT_OVERRIDE", {})
-    bound = overrides.get(item.name, default) if isinstance(overrides, dict) else default
-    return float(bound) if isinstance(bound, int | float) and bound > 0 else DEFAULT_TIMEOUT_S
+    for adopter in asked(config):
+        adopter.collected(config, items)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    """Before the class's setUpClass: a continuous class spawns nothing from now on. A class
-    that runs as it is gets its line in the summary (only those whose tests run)."""
-    kind = _kind(item)
-    cls: Any = getattr(item, "cls", None)
-    session = _session(item.config)
-    why = session.unadoptable.get(cls) if cls is not None else None
-    if why is not None:
-        session.not_adopted.setdefault(f"{cls.__module__}.{cls.__qualname__}", why)
-    if kind == "continuous" and "_spawn_processes" not in vars(cls):
-        session.undo.append(_patch_continuous_spawn(cls))
+    for adopter in asked(item.config):
+        adopter.setting_up(item)
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    """Point the test instance's spawning and joining at the harness, then let unittest run."""
-    kind = _kind(item)
-    case = getattr(item, "_testcase", None)  # the TestCase instance pytest made for the test
-    if kind == "process" and case is not None:
-        _adopt_process_case(item, case)
-    elif kind == "continuous" and case is not None:
-        _adopt_continuous_case(item, case)
+    for adopter in asked(item.config):
+        adopter.calling(item)
     return (yield)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     by_reason: dict[str, list[str]] = {}
-    for where, why in _session(config).not_adopted.items():
+    for where, why in _summary(config).not_adopted.items():
         by_reason.setdefault(why, []).append(where)
     for why, places in by_reason.items():  # once per reason: a suite has hundreds of classes
         where = places[0] if len(places) == 1 else _some(places)
@@ -153,72 +216,21 @@ def _some(places: list[str], shown: int = 3) -> str:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    session = config.stash.get(_session_key, None)
-    while session is not None and session.undo:
-        session.undo.pop()()
+    for adopter in asked(config):
+        adopter.ended(config)
 
 
-# ---- which tests, and why not ---------------------------------------------------------------
+# ---- what every adopter shares --------------------------------------------------------------
 
 
-def _kind(item: pytest.Item) -> Kind | None:
-    """How `item` is adopted, or None (not asked for, not such a class, or not honourable)."""
-    adopters = settings_of(item.config).adopt
-    if "torch" not in adopters:  # first: item.cls walks the tree
-        return None
-    cls = getattr(item, "cls", None)
-    if not isinstance(cls, type):
-        return None
-    session = _session(item.config)
-    if cls not in session.kinds:
-        kind, why = classify(cls, deepspeed_adopted="deepspeed" in adopters)
-        session.kinds[cls] = kind if why is None else None
-        if why is not None:
-            session.unadoptable[cls] = why
-    return session.kinds[cls]
-
-
-def classify(cls: type, deepspeed_adopted: bool = False) -> tuple[Kind | None, str | None]:
-    """Which of torch's bases `cls` derives from, and why it cannot be adopted (None when it
-    can, or when another adopter takes it: DeepSpeed's, with `deepspeed_adopted`)."""
-    foreign = _foreign_base(cls)
-    if foreign is not None:
-        return None, None if deepspeed_adopted and foreign == DEEPSPEED_NOT_ASKED else foreign
-    if not issubclass(cls, unittest.TestCase):
-        return None, None
-    bases = sys.modules.get(TORCH_BASES)
-    if bases is None:
-        return None, None
-    process = getattr(bases, "MultiProcessTestCase", None)
-    continuous = getattr(bases, "MultiProcContinuousTest", None)
-    if isinstance(process, type) and issubclass(cls, process):
-        return "process", _unfollowable(cls, process, PROCESS_NEEDED, PROCESS_REPLACED, "_run")
-    if isinstance(continuous, type) and issubclass(cls, continuous):
-        why = _unfollowable(cls, continuous, CONTINUOUS_NEEDED, CONTINUOUS_REPLACED, "_worker_loop")
-        return "continuous", why
-    older = getattr(bases, "MultiProcContinousTest", None)  # sic: torch's earlier spelling
-    if isinstance(older, type) and issubclass(cls, older):
-        return "continuous", (
-            "the installed torch's MultiProcContinousTest (each rank runs the whole class "
-            "under torchrun via run_rank) is not a base the harness adopts"
-        )
-    return None, None
-
-
-# Other projects' multi-rank test bases, known by the parts they run ranks with: a class on
-# one runs its own processes, as it would without the harness, and the session says so.
-DEEPSPEED_NOT_ASKED = (
-    "DeepSpeed's DistributedTest starts its own process pool per test; add deepspeed to "
-    "--rank-adopt (--rank-adopt torch,deepspeed) to run it on warm ranks"
-)
-FOREIGN_BASES = (("DistributedExec", ("_launch_procs", "_dist_run"), DEEPSPEED_NOT_ASKED),)
-
-
-def _foreign_base(cls: type) -> str | None:
-    """Why `cls` runs as it is, if it derives from another project's multi-rank base."""
-    for name, parts, why in FOREIGN_BASES:
-        if base_named(cls, name, parts) is not None:
-            return why
+def claimed_elsewhere(config: pytest.Config, cls: type, mine: str) -> str | None:
+    """Why `cls` is not `mine`'s to adopt, if another registered adopter claims it: None
+    where none does, or where that one is asked for too (it takes the class)."""
+    names = config.stash.get(_asked_key, frozenset())
+    for adopter in registered(config).values():
+        if adopter.name == mine or not adopter.claims(cls):
+            continue
+        return None if adopter.name in names else adopter.not_asked()
     return None
 
 
@@ -230,23 +242,6 @@ def base_named(cls: type, name: str, parts: tuple[str, ...]) -> type | None:
     return None
 
 
-def _unfollowable(
-    cls: type, base: type, needed: tuple[str, ...], replaced: tuple[str, ...], entry: str
-) -> str | None:
-    missing = [name for name in needed if not hasattr(base, name)]
-    expected = PROCESS_ENTRY if entry == "_run" else CONTINUOUS_ENTRY
-    if missing or parameters_of(getattr(base, entry, None))[: len(expected)] != list(expected):
-        return (
-            f"the installed torch's {base.__name__} is not the one the harness supports "
-            f"(missing or changed: {', '.join(missing) or entry}); see README 'Existing suites'"
-        )
-    for owner in cls.__mro__[: cls.__mro__.index(base)]:
-        overridden = [name for name in replaced if name in vars(owner)]
-        if overridden:
-            return f"{owner.__qualname__} overrides {', '.join(overridden)}"
-    return None
-
-
 def parameters_of(fn: Any) -> list[str]:
     """`fn`'s parameter names, without cls or self ([] when it has no signature)."""
     try:
@@ -255,107 +250,9 @@ def parameters_of(fn: Any) -> list[str]:
         return []
 
 
-# ---- MultiProcessTestCase -------------------------------------------------------------------
-
-
-@dataclass
-class _Spawn:
-    requested: str | None = None  # the base's spawning method setUp asked for
-
-
-def _adopt_process_case(item: pytest.Item, case: Any) -> None:
-    """setUp's request to spawn is only noted; the join runs the test on warm ranks."""
-    spawn = _Spawn()
-    for name in ("_spawn_processes", "_fork_processes"):
-        if hasattr(case, name):
-            setattr(case, name, functools.partial(setattr, spawn, "requested", name))
-    case._join_processes = functools.partial(_join_process_case, item, case, spawn)
-
-
-def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> None:
-    cls = type(case)
-    if spawn.requested is None:  # setUp spawned nothing: the base's own join decides
-        cls._join_processes(case, fn)
-        return
-    if fn in getattr(case, "skip_return_code_checks", ()) or fn in getattr(
-        case, "special_return_code_checks", {}
-    ):
-        _note(item, "expects exit statuses of its own (special/skip_return_code_checks)")
-        getattr(cls, spawn.requested)(case)
-        cls._join_processes(case, fn)
-        return
-    name = case._current_test_name
-    args = (
-        packing.function_target(cls),
-        name() if callable(name) else name,
-        case.file_name,
-        _entry_kwargs(cls, case),
-    )
-    spec = adopted_spec(item, int(case.world_size))
-    run_and_judge(item, spec, adopted.run_multiprocess_case, args)
-
-
-def _entry_kwargs(cls: type, case: Any) -> dict[str, Any]:
-    """The keyword arguments the base's _start_processes passes to _run."""
-    signature = inspect.signature(cls._run)  # type: ignore[attr-defined]
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    if takes_any or "fake_pg" in signature.parameters:
-        return {"fake_pg": getattr(case, "fake_pg", False)}
-    return {}
-
-
-# ---- MultiProcContinuousTest ----------------------------------------------------------------
-
-
-def _patch_continuous_spawn(cls: Any) -> Callable[[], None]:
-    """The class's processes become none: each test runs on warm ranks instead."""
-
-    def no_processes(klass: Any, world_size: int) -> None:
-        klass.processes, klass.task_queues, klass.completion_queues = [], [], []
-        klass._harness_world_size = int(world_size)
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            klass.rdvz_file = f.name  # tearDownClass removes it, as after the base's spawn
-
-    cls._spawn_processes = classmethod(no_processes)
-    return lambda: delattr(cls, "_spawn_processes")
-
-
-def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
-    original = item.obj  # type: ignore[attr-defined]
-
-    @functools.wraps(original)
-    def adopted(self: Any) -> None:
-        if getattr(type(self), "_harness_world_size", None) is None:
-            # The class spawned nothing (torch's local-tensor bases run each test in this
-            # process): run the test here, as torch does.
-            original() if inspect.ismethod(original) else original(self)
-            return
-        _run_continuous_case(item, self)
-
-    item.obj = types.MethodType(adopted, case)  # type: ignore[attr-defined]
-
-
-def _run_continuous_case(item: pytest.Item, case: Any) -> None:
-    cls = type(case)
-    world_size = cls._harness_world_size
-    with _rendezvous_file() as rdvz:
-        args = (packing.function_target(cls), case.id(), rdvz, world_size)
-        run_and_judge(item, adopted_spec(item, world_size), adopted.run_continuous_case, args)
-
-
-@contextlib.contextmanager
-def _rendezvous_file() -> Iterator[str]:
-    """A fresh file for one test's FileStore (the base makes one per class)."""
-    with tempfile.NamedTemporaryFile(delete=False) as f:
-        path = f.name
-    try:
-        yield path
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-# ---- running and judging --------------------------------------------------------------------
+def set_timeout(item: pytest.Item, seconds: float) -> None:
+    """`item`'s bound for its ranks, as its adopter reads it at collection (adopted_spec)."""
+    item.stash[_timeout_key] = seconds
 
 
 def adopted_spec(item: pytest.Item, world_size: int, timeout: float | None = None) -> RankSpec:
@@ -381,13 +278,22 @@ def adopted_spec(item: pytest.Item, world_size: int, timeout: float | None = Non
     )
 
 
+Judge = Callable[[pytest.Item, RankSpec, list[RankOutcome]], None]
+
+
 def run_and_judge(
-    item: pytest.Item, spec: RankSpec, entry: Callable[..., Any], args: tuple[Any, ...]
+    item: pytest.Item,
+    spec: RankSpec,
+    entry: Callable[..., Any],
+    args: tuple[Any, ...],
+    judged_by: Judge | None = None,
 ) -> None:
-    """`entry(*args, rank=r)` on every warm rank of `spec`, judged by torch's rules."""
+    """`entry(*args, rank=r)` on every warm rank of `spec` (`args[0]`, the class's Target:
+    its module is imported on the ranks first), then the one sequence after a body, judged
+    by `judged_by` (the harness's verdict by default)."""
     with timeout_interop.pytest_timeout_paused(item):
         outcomes = run_adopted(item, spec, entry, args)
-    runner.after_body(item, spec, outcomes, judged_by=judge_adopted)
+    runner.after_body(item, spec, outcomes, judged_by=judged_by)
 
 
 def run_adopted(
@@ -405,26 +311,6 @@ def run_adopted(
     return outcomes
 
 
-def judge_adopted(item: pytest.Item, spec: RankSpec, outcomes: list[RankOutcome]) -> None:
-    """Skip when every rank skipped (a skip status included); else pass or fail as the harness."""
-    outcomes = [as_skip(o) for o in outcomes]
-    if all(o.ending is Ending.SKIPPED for o in outcomes):
-        raise unittest.SkipTest(outcomes[0].message)
-    verdict.judge(item, spec, outcomes)
-
-
-def as_skip(outcome: RankOutcome) -> RankOutcome:
-    """A rank process that ended with one of torch's skip statuses skipped, with its reason."""
-    if outcome.ending is not Ending.HARD_EXIT or outcome.exit_code is None:
-        return outcome
-    reason = adopted.skip_messages().get(outcome.exit_code)
-    return outcome if reason is None else replace(outcome, ending=Ending.SKIPPED, message=reason)
-
-
-def _note(item: pytest.Item, why: str) -> None:
-    note_not_adopted(item.config, item.nodeid, why)
-
-
 def note_not_adopted(config: pytest.Config, where: str, why: str) -> None:
     """One line in the session's summary: `where` (a class, a test) runs as before, and why."""
-    _session(config).not_adopted.setdefault(where, why)
+    _summary(config).not_adopted.setdefault(where, why)

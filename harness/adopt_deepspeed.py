@@ -1,4 +1,5 @@
-"""DeepSpeed's DistributedTest suites on warm ranks: ``--rank-adopt deepspeed``.
+"""DeepSpeed's DistributedTest suites on warm ranks: ``--rank-adopt deepspeed``, one instance of
+the adopter seam (adopters.py).
 
 DeepSpeed's unit tests derive from ``DistributedTest`` or ``DistributedFixture`` (both on
 ``DistributedExec``, in its ``tests/unit/common.py``; followed here as of DeepSpeed commit
@@ -77,43 +78,50 @@ def _session(config: pytest.Config) -> _Session:
     return config.stash[_session_key]
 
 
-def wanted(config: pytest.Config) -> bool:
-    return "deepspeed" in settings_of(config).adopt
+class DeepSpeedAdopter(adopt.Adopter):
+    """DeepSpeed's DistributedTest and DistributedFixture (on DistributedExec)."""
 
+    name = "deepspeed"
+    libraries = ("deepspeed",)  # its suite tests it from its checkout
 
-# ---- hooks ------------------------------------------------------------------------------------
+    def claims(self, cls: type) -> bool:
+        return find_base(cls) is not None
 
+    def not_asked(self) -> str:
+        return (
+            "DeepSpeed's DistributedTest starts its own process pool per test; add deepspeed "
+            "to --rank-adopt (--rank-adopt torch,deepspeed) to run it on warm ranks"
+        )
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Replace the launch of every DeepSpeed base the collected tests use (a test class's, or
-    a DistributedFixture's the test asks for), once per base, for the session."""
-    if not wanted(config):
-        return
-    session = _session(config)
-    for item in items:
-        for cls in _exec_classes(item):
-            base = find_base(cls)
-            if base is not None and base not in session.patched and why_base_differs(base) is None:
+    def collected(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Replace the launch of every DeepSpeed base the collected tests use (a test
+        class's, or a DistributedFixture's the test asks for), once per base, for the
+        session."""
+        session = _session(config)
+        for item in items:
+            for cls in _exec_classes(item):
+                base = find_base(cls)
+                if base is None or base in session.patched or why_base_differs(base) is not None:
+                    continue
                 session.patched[base] = vars(base)["_launch_with_file_store"]
                 base._launch_with_file_store = _adopted_launch(session.patched[base])  # type: ignore[attr-defined]
 
+    def setting_up(self, item: pytest.Item) -> None:
+        """A DeepSpeed class that runs as it is gets its line in the summary (only those
+        whose tests run)."""
+        for cls in _exec_classes(item):
+            why = _why_not(item.config, cls)
+            if why is not None:
+                adopt.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A DeepSpeed class that runs as it is gets its line in the summary (only those whose
-    tests run)."""
-    if not wanted(item.config):
-        return
-    for cls in _exec_classes(item):
-        why = _why_not(item.config, cls)
-        if why is not None:
-            adopt.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
+    def ended(self, config: pytest.Config) -> None:
+        session = config.stash.get(_session_key, None)
+        for base, original in (session.patched if session is not None else {}).items():
+            base._launch_with_file_store = original  # type: ignore[attr-defined]
 
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    session = config.stash.get(_session_key, None)
-    for base, original in (session.patched if session is not None else {}).items():
-        base._launch_with_file_store = original  # type: ignore[attr-defined]
+    def endings(self, config: pytest.Config) -> list[Callable[[], None]]:
+        """The all-reduce buffers of the runs going on when a signal ends the session."""
+        return [shared_memory.remove_in_use]
 
 
 def _exec_classes(item: pytest.Item) -> list[type]:

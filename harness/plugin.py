@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from harness import (
+    adopt,
+    hookspecs,
     junit_labels,
     made_in_ranks,
     packing,
@@ -24,6 +26,8 @@ from harness import (
     timeout_interop,
     verdict,
 )
+from harness.adopt_deepspeed import DeepSpeedAdopter
+from harness.adopt_torch import TorchAdopter
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
@@ -48,6 +52,11 @@ MARKERS = (
     "allow_leftovers(*kinds): let the test leave 'group', 'threads', 'env' or 'processes' "
     "behind in its ranks (no arguments: all four; processes are killed all the same)",
 )
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """pytest_harness_adopters: a project registers its own test base's adopter."""
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,6 +113,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is None:
         torch_import_warnings.raise_again(kept)  # shown now, as if never held
     junit_labels.register(config)
+    adopt.register_adopters(config, [TorchAdopter(), DeepSpeedAdopter()])
     if config.pluginmanager.hasplugin("xdist"):  # its workers seed from this process's seed
         config.pluginmanager.register(seeds.XdistHooks(session_settings.seed), "harness-seeds")
 

@@ -61,7 +61,8 @@ OPTIONS: list[tuple[str, str, str]] = [
     (
         "rank_adopt",
         "run existing multi-rank suites on warm ranks: torch (MultiProcessTestCase and its "
-        "family), deepspeed (DeepSpeed's DistributedTest), or both: torch,deepspeed",
+        "family), deepspeed (DeepSpeed's DistributedTest), a project's own registered base, "
+        "or several: torch,deepspeed",
         "KIND",
     ),
     (
@@ -78,8 +79,6 @@ OPTIONS: list[tuple[str, str, str]] = [
     ),
 ]
 PRELOAD_MODES = ("auto", "none")  # --rank-preload (see preload.py)
-# The --rank-adopt values: which existing test bases run on warm ranks.
-ADOPTERS = ("torch", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -354,10 +353,8 @@ def _preload_mode(value: Any, origin: str) -> str:
 
 
 def _adopters(value: Any, origin: str) -> frozenset[str]:
-    names = frozenset(part.strip() for part in str(value).split(",") if part.strip())
-    if not names <= set(ADOPTERS):
-        raise SpecError(invalid("rank_adopt", value, origin, f"use {', '.join(ADOPTERS)}"))
-    return names
+    """The adopters' names; checked against those registered (adopt.register_adopters)."""
+    return frozenset(part.strip() for part in str(value).split(",") if part.strip())
 
 
 def launch_value(value: Any, origin: str) -> bool:

@@ -32,6 +32,12 @@ def named(target: Target) -> Any:
     return holder
 
 
+def run_with_class(case: Target, entry: Target, *args: Any, rank: int) -> Any:
+    """A project's adopter's entry point on a warm rank (adopt.Adopter.run): `entry(cls,
+    *args, rank=rank)`, the test class as this rank imported its module, as pytest did."""
+    return named(entry)(named(case), *args, rank=rank)
+
+
 def error_exit_code() -> int:
     """The exit status MultiProcessTestCase gives a rank whose test raised."""
     from torch.testing._internal.common_distributed import MultiProcessTestCase

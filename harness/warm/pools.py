@@ -5,6 +5,7 @@ and a run's set-up retried when it failed on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -17,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import measured, shared_memory
+from harness import measured
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
@@ -50,7 +51,11 @@ class RunRequest:
 class Pools:
     """Every pool of this pytest process, and the private store their groups meet through."""
 
-    def __init__(self, preload: Callable[[], PreloadPlan | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        preload: Callable[[], PreloadPlan | None] = lambda: None,
+        endings: Callable[[], list[Callable[[], None]]] = list,
+    ) -> None:
         self._pools: dict[PoolKey, Pool] = {}
         # Per pool, the group every rank kept after the last run, and that run's timeout.
         self._kept: dict[PoolKey, tuple[str, float]] = {}
@@ -69,6 +74,7 @@ class Pools:
         # (rank pids, module, file, mtime) of the test modules the ranks have imported.
         self.modules_loaded: set[tuple[tuple[int, ...], str, str | None, int | None]] = set()
         self._preload = preload  # the session's preload plan, once its tests are collected
+        self._endings = endings  # what the adopted suites leave outside their ranks, to undo
         self._server_asked = False  # whether a pool has asked for the fork server yet
         self.preloaded: forkserver.Preloaded | None = None
         self._preload_output = ""  # what preloading printed, until a test's report shows it
@@ -250,7 +256,9 @@ class Pools:
         for pool in list(self._pools.values()):
             pool.close()
         reaper.remove_workdir(self._workdir)
-        shared_memory.remove_in_use()  # DeepSpeed's, named after a running test's port
+        for ending in self._endings():  # an adopted suite's (DeepSpeed's /dev/shm buffers)
+            with contextlib.suppress(Exception):
+                ending()
 
 
 def _same_counts(outcomes: list[RankOutcome]) -> bool:

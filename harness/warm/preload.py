@@ -33,6 +33,7 @@ from types import ModuleType
 
 import pytest
 
+from harness import adopters
 from harness.settings import settings_of
 
 # What this process had imported when it first loaded the plugin; a session's own snapshot,
@@ -184,7 +185,7 @@ def adopted_libraries(config: pytest.Config) -> frozenset[str]:
     """Libraries an adopted suite tests from a source checkout (DeepSpeed's conftest puts its
     repository first on sys.path): preloaded wherever they come from, so that a new rank
     costs a fork, not their import."""
-    return frozenset({"deepspeed"}) & settings_of(config).adopt
+    return adopters.libraries(config)
 
 
 def _trusted(names: list[object]) -> list[str]:

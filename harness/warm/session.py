@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness import hypothesis_search, made_in_ranks, measured, packing
+from harness import adopters, hypothesis_search, made_in_ranks, measured, packing
 from harness.common import rank_warnings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
@@ -173,7 +173,9 @@ def pools_of(config: pytest.Config) -> Pools:
     if _pools_key not in config.stash:
         from harness.warm.pools import Pools
 
-        config.stash[_pools_key] = Pools(lambda: preload.plan_of(config))
+        config.stash[_pools_key] = Pools(
+            lambda: preload.plan_of(config), endings=lambda: adopters.endings(config)
+        )
     return config.stash[_pools_key]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import harness
 
 HARNESS_NAMES = [
+    "Adopter",
     "Ending",
     "Expected",
     "Fault",
