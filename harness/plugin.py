@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from harness import (
-    adopt,
     hookspecs,
     junit_labels,
     made_in_ranks,
@@ -26,8 +25,6 @@ from harness import (
     timeout_interop,
     verdict,
 )
-from harness.adopt_deepspeed import DeepSpeedAdopter
-from harness.adopt_torch import TorchAdopter
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
@@ -113,9 +110,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is None:
         torch_import_warnings.raise_again(kept)  # shown now, as if never held
     junit_labels.register(config)
-    adopt.register_adopters(config, [TorchAdopter(), DeepSpeedAdopter()])
+    _register_adopters(config)
     if config.pluginmanager.hasplugin("xdist"):  # its workers seed from this process's seed
         config.pluginmanager.register(seeds.XdistHooks(session_settings.seed), "harness-seeds")
+
+
+def _register_adopters(config: pytest.Config) -> None:
+    """torch's and DeepSpeed's adopters, and the projects' (imported here: pytest imports
+    the adoption module itself, from the package's pytest_plugins, to rewrite it first)."""
+    from harness.adopt import register_adopters
+    from harness.adopt_deepspeed import DeepSpeedAdopter
+    from harness.adopt_torch import TorchAdopter
+
+    register_adopters(config, [TorchAdopter(), DeepSpeedAdopter()])
 
 
 # ---- collection ----------------------------------------------------------------------------
