@@ -23,6 +23,8 @@ import torch
 from harness import seeds
 from harness.common.outcome import ranks_phrase
 from harness.launched import records
+from harness.launched.gathered import Gathered
+from harness.launched.nodes import Nodes
 from harness.launched.session import AGREE_S, LaunchedSession
 from harness.launched.store import store_is_here
 from harness.settings import settings_of, use_seed
@@ -46,36 +48,35 @@ def agree_on_backend(launched: LaunchedSession) -> None:
     which node it runs on and whether that node holds the launch's store (what a lost node
     is named by), and gives a random word: the session goes on under a prefix made from
     them all."""
-    assert launched.peers is not None
     seed = settings_of(launched.config).seed
     mine = {
         "backend": launched.backend,
         "seed": seed.value,
         "source": seed.source,
-        "nonce": launched.peers.nonce,
+        "nonce": launched.nonce,
         "torch": str(torch.__version__),
         "rankwise": _rankwise_version(),
         "node": launched.launch.node_name,
         "store": store_is_here(launched.launch),
     }
     found = launched.gather("backend", json.dumps(mine), AGREE_S)
-    if launched.absent:
-        end_session(
-            launched,
-            f"harness: not every launched rank started its session ({_absent_by_node(launched)})",
-        )
-    words = [_word(launched, r, blob) for r, blob in enumerate(found)]
-    launched.placement = {r: str(w["node"]) for r, w in enumerate(words) if w}
-    launched.store_node = next((str(w["node"]) for w in words if w and w["store"]), "")
+    if not found.complete:
+        why = _absent_by_node(launched, found)
+        end_session(launched, f"harness: not every launched rank started its session ({why})")
+    words = [_word(launched, r, blob) for r, blob in enumerate(found.values)]
+    said = {r: str(w["node"]) for r, w in enumerate(words) if w}
+    store_node = next((str(w["node"]) for w in words if w and w["store"]), "")
+    launched.placed(Nodes(launched.launch, said, store_node))
     _agree_on(launched, words, "backend", "give every rank the same --rank-backend")
     for package in ("torch", "rankwise"):
         _agree_on(launched, words, package, f"install the same {package} on every node")
     if words[0]:
         use_seed(launched.config, seeds.SessionSeed(words[0]["seed"], words[0]["source"]))
-    launched.peers.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
+    launched.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
     launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
-    if not all(launched.gather("fresh", "1", AGREE_S)):
-        why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(launched.absent.items()))
+    joined = launched.gather("fresh", "1", AGREE_S)
+    if not all(joined.values):
+        why = joined.absent_text()
         end_session(
             launched,
             f"harness: not every rank joined the session's own prefix ({why}); unless "
@@ -84,13 +85,13 @@ def agree_on_backend(launched: LaunchedSession) -> None:
         )
 
 
-def _absent_by_node(launched: LaunchedSession) -> str:
+def _absent_by_node(launched: LaunchedSession, found: Gathered) -> str:
     """'node 1 (ranks 2, 3): no sign of life ...', each node's absent ranks together where
     they are absent for the same reason (the node went), else rank by rank."""
     by_node: dict[tuple[str, str], list[int]] = {}
-    for r, why in sorted(launched.absent.items()):
+    for r, why in sorted(found.absent.items()):
         reason = re.sub(r"\d+(\.\d+)? s\b", "some seconds", why)  # alike across a node
-        by_node.setdefault((launched.node_of(r), reason), []).append(r)
+        by_node.setdefault((launched.nodes.node_of(r), reason), []).append(r)
     return "; ".join(
         f"{node + ' (' if node else ''}{ranks_phrase(ranks)}{')' if node else ''}: {why}"
         for (node, why), ranks in by_node.items()
@@ -121,15 +122,10 @@ def _agree_on(launched: LaunchedSession, words: list[dict[str, Any]], field: str
     if len(said) < 2:
         return
     each = "; ".join(
-        f"{field} {value} on {ranks_phrase(ranks)} ({_nodes_of(launched, ranks)})"
+        f"{field} {value} on {ranks_phrase(ranks)} ({launched.nodes.named(ranks)})"
         for value, ranks in said.items()
     )
     end_session(launched, f"harness: the launched ranks differ: {each}; {fix}")
-
-
-def _nodes_of(launched: LaunchedSession, ranks: list[int]) -> str:
-    nodes = dict.fromkeys(launched.placement.get(r, "node unknown") for r in ranks)
-    return ", ".join(nodes)
 
 
 def _rankwise_version() -> str:
@@ -143,15 +139,15 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
     """Every rank must have collected the same tests, in the same order, and without
     errors: pytest stops a rank that could not collect, and its peers would wait for it
     in the first test."""
-    launched.collected = [item.nodeid for item in items]
-    said = {"tests": launched.collected, "errors": _collection_errors(launched.config)}
+    mine = [item.nodeid for item in items]
+    launched.position.collect(mine)
+    said = {"tests": mine, "errors": _collection_errors(launched.config)}
     found = launched.gather("collected", json.dumps(said), AGREE_S)
-    mine = launched.collected
     differences: dict[tuple[str, str], list[int]] = {}
     errors, unfinished = [], []
-    for r, blob in enumerate(found):
+    for r, blob in enumerate(found.values):
         if blob is None:
-            unfinished.append(f"rank {r} did not finish collecting: {launched.absent[r]}")
+            unfinished.append(f"rank {r} did not finish collecting: {found.why(r)}")
             continue
         try:
             theirs = records.read_json(blob, f"collected/{r}", {"tests": list, "errors": list})
@@ -161,10 +157,10 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
         said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
         errors += said_by_r
         if r != launched.rank:
-            launched.peer_collection_errors += said_by_r
+            launched.fate.peer_collection_errors += said_by_r
         if theirs["tests"] != mine:
             what = _collection_difference(theirs["tests"], launched.rank, mine)
-            differences.setdefault((launched.node_of(r), what), []).append(r)
+            differences.setdefault((launched.nodes.node_of(r), what), []).append(r)
     if errors and not launched.config.getoption("continue_on_collection_errors", False):
         end_session(
             launched,
@@ -195,13 +191,13 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
 def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     """Every rank ends with one status: rank 0's, or the worst any rank reached."""
     status = int(session.exitstatus)
-    launched.index = len(launched.collected)  # past every test: the end's keys are not deleted
+    launched.position.at_the_end()  # past every test: the end's keys are not deleted
     mine = {"status": status, "failed": _failed(session)}
     found = launched.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
     if launched.rank == 0:
         final = _final(launched, found, mine)
         launched.put("final", str(final))
-    elif 0 in launched.lost or launched.store_lost:
+    elif 0 in launched.fate.lost or launched.store_lost:
         final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
     else:
         blob = launched.get("final", AGREE_S)
@@ -217,9 +213,9 @@ def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     launched.over(final)
 
 
-def _final(launched: LaunchedSession, found: list[bytes | None], mine: dict[str, Any]) -> int:
+def _final(launched: LaunchedSession, found: Gathered, mine: dict[str, Any]) -> int:
     statuses = [mine["status"]]
-    for r, blob in enumerate(found):
+    for r, blob in enumerate(found.values):
         if r == 0 or r == launched.rank:
             continue
         if blob is None:  # it never said how its session ended: it did not end well
@@ -232,7 +228,7 @@ def _final(launched: LaunchedSession, found: list[bytes | None], mine: dict[str,
             statuses.append(int(pytest.ExitCode.TESTS_FAILED))
             continue
         statuses.append(said["status"])
-    if launched.lost:
+    if launched.fate.lost:
         statuses.append(int(pytest.ExitCode.TESTS_FAILED))
     bad = [s for s in statuses if s != 0]
     return mine["status"] if mine["status"] != 0 else (bad[0] if bad else 0)

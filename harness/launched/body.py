@@ -52,11 +52,10 @@ def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -
 def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
         session.set_own_group_aside()  # the test sets its own up, from torchrun's environment
-    elif not session.agree_on_group(key, ARRIVE_S, spec.fresh_group):
-        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
+    elif not (found := session.agree_on_group(key, ARRIVE_S, spec.fresh_group)).complete:
         raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
-            f"({absent}); the test body never ran",
+            f"({found.absent_text()}); the test body never ran",
             pytrace=False,
         )
     return key
@@ -78,12 +77,12 @@ def agree_on_set_up(
         found = session.gather(f"{key}/setup", said, ARRIVE_S)
     by_rank = {
         r: (blob.decode(errors="replace") if blob is not None else None)
-        for r, blob in enumerate(found)
+        for r, blob in enumerate(found.values)
     }
     failed = {r: s for r, s in by_rank.items() if s}
-    if any(s is None for s in by_rank.values()):
-        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(session.absent.items()))
-        session.lost.update(session.absent)
+    if not found.complete:
+        absent = found.absent_text()
+        session.fate.lose(found.absent)
         session.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         pytest.fail(f"not every rank finished setting up ({absent})", pytrace=False)
     skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
@@ -166,15 +165,12 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
     for o in outcomes:
         if o.ending is Ending.HUNG:  # either way the rank is stuck, and cannot be replaced
             why = "it hung waiting on a peer (collateral)" if o.looks_collateral else "it hung"
-            session.lost.setdefault(o.rank, why)
-    if 0 in session.lost or session.store_lost:
+            session.fate.lose_unless_known(o.rank, why)
+    if 0 in session.fate.lost or session.store_lost:
         session.speak_for_rank_0()
     if any(o.ending is Ending.LOST for o in outcomes):
         session.tell_node(item.nodeid, failure_text(outcomes) or "")
-    by_reason: dict[str, list[int]] = {}
-    for r, why in sorted(session.lost.items()):
-        by_reason.setdefault(why, []).append(r)
-    reasons = [f"{ranks_phrase(ranks)}: {why}" for why, ranks in by_reason.items()]
+    reasons = session.fate.lost_reasons()
     if session.stopping:
         reasons.append("the launcher is stopping the job")
     if reasons:

@@ -21,7 +21,7 @@ def hand_to_rank_0(launched: LaunchedSession, session: pytest.Session) -> None:
     waits until every rank's is (rank 0 then combines them all)."""
     plugin: Any = session.config.pluginmanager.get_plugin("_cov")
     controller = getattr(plugin, "cov_controller", None)
-    if controller is None or launched.peers is None:
+    if controller is None or not launched.connected:
         return
     if launched.rank != 0:
         controller.cov.stop()

@@ -20,7 +20,8 @@ import pytest
 from rankwise.testing import write_launcher_error
 
 from harness.launched import records
-from harness.launched.session import AGREE_S, FirstFailure, LaunchedSession
+from harness.launched.fate import FirstFailure
+from harness.launched.session import AGREE_S, LaunchedSession
 
 # The first line of a failure report that blames one rank: "rank 1 failed: ...", "rank 2's
 # teardown failed ...", "rank 3 returned while ranks 0, 1 waited ...".
@@ -31,9 +32,9 @@ _LOST = re.compile(r"^\S.* was lost: .*\(ranks? (\d+)[,)]")
 
 def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
     """Remember the session's first failed test (every rank reports every test alike)."""
-    if report.failed and launched.first_failure is None:
+    if report.failed and launched.fate.first_failure is None:
         root, line = _blamed(report, launched.rank)
-        launched.first_failure = FirstFailure(item.nodeid, root, line, report.longreprtext)
+        launched.fate.note_failure(FirstFailure(item.nodeid, root, line, report.longreprtext))
 
 
 def _blamed(report: pytest.TestReport, this_rank: int) -> tuple[int, str]:
@@ -53,14 +54,14 @@ def write(launched: LaunchedSession, final: int) -> None:
     Only in a failed session under torchrun (TORCHELASTIC_ERROR_FILE set); rank 0 decides
     which test and rank, so every rank writes the same story.
     """
-    if final == 0 or launched.peers is None:
+    if final == 0 or not launched.connected:
         return
     told = _agree_on_root(launched)
     if told is None:
         return
     nodeid, root, line, stamp = told["nodeid"], told["root"], told["line"], told["at"]
     if launched.rank == root:
-        own = launched.first_failure
+        own = launched.fate.first_failure
         said = f"{nodeid}: {line}"  # torchrun shows the callstack: it starts with the headline
         text = f"{said}\n\n{own.text}" if own is not None and own.nodeid == nodeid else said
         wrote = write_launcher_error(said, text, stamp - 1)
@@ -74,7 +75,7 @@ def write(launched: LaunchedSession, final: int) -> None:
 def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
     """Rank 0's word on the session's root cause, or None (no failed test to name)."""
     if launched.rank == 0:
-        first = launched.first_failure
+        first = launched.fate.first_failure
         told = (
             None
             if first is None
@@ -84,8 +85,8 @@ def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
             told["at"] = int(time.time())
         launched.put("root-cause", json.dumps(told))
         return told
-    if 0 in launched.lost or launched.store_lost:  # no word of rank 0's: this rank's own
-        first = launched.first_failure
+    if 0 in launched.fate.lost or launched.store_lost:  # no word of rank 0's: this rank's own
+        first = launched.fate.first_failure
         if first is None:
             return None
         return {"nodeid": first.nodeid, "root": first.root, "line": first.line[:2000],

@@ -26,7 +26,7 @@ from harness.common.outcome import RankOutcome, without_cpp_frames
 from harness.common.protocol import RankSpec
 from harness.launched import agreements, body, coverage, error_files, terminal, verdicts
 from harness.launched.rendezvous import give_each_set_up_its_keys
-from harness.launched.session import GROUP_TIMEOUT_MARGIN_S, LaunchedSession, start
+from harness.launched.session import LaunchedSession, start
 from harness.launched.watch import FixtureTimer
 from harness.settings import settings_of
 from harness.specs import SPEC_KEY
@@ -69,7 +69,7 @@ class LaunchedPlugin:
             return
         specs = [item.stash[SPEC_KEY] for item in session.items if SPEC_KEY in item.stash]
         longest = max((spec.timeout_s for spec in specs), default=0.0)
-        self.launched.group_timeout_s = longest + GROUP_TIMEOUT_MARGIN_S
+        self.launched.bound_groups(longest)
         agreements.agree_on_collection(self.launched, session.items)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # around plugin.py's set-up
@@ -121,7 +121,7 @@ class LaunchedPlugin:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         launched = self.launched
-        if launched.peers is not None:
+        if launched.connected:
             launched.restore_rendezvous()
             agreements.agree_on_exit(launched, session)
             error_files.write(launched, int(session.exitstatus))
@@ -147,7 +147,7 @@ class LaunchedPlugin:
 def _fixtures_bounded(launched: LaunchedSession, item: pytest.Item, phase: str) -> Iterator[None]:
     """pytest-timeout's bound on this phase's fixtures, also where its signal cannot act."""
     bound = timeout_interop.pytest_timeout_of_fixtures(item)
-    if bound is None or launched.peers is None:
+    if bound is None or not launched.connected:
         yield
         return
     with FixtureTimer(launched.watch, verdicts.fixtures_key(launched), bound, phase):
@@ -266,8 +266,7 @@ def set_up(
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
     body.before_set_up(item, launched, spec)
-    if launched.peers is not None:  # a test bounded longer than the session's default
-        launched.peers.silent_elsewhere_s = max(launched.peers.silent_elsewhere_s, spec.timeout_s)
+    launched.allow_silence(spec.timeout_s)  # a test bounded longer than the session's default
     try:
         result = yield
     except (KeyboardInterrupt, pytest.exit.Exception) as exc:
@@ -282,7 +281,7 @@ def set_up(
 
 def ended_early(launched: LaunchedSession, exc: BaseException) -> None:
     """Tell the peers this rank's session ends now (pytest.exit() or KeyboardInterrupt)."""
-    if launched.peers is None:
+    if not launched.connected:
         return
     if isinstance(exc, KeyboardInterrupt):
         text, code = "KeyboardInterrupt", int(pytest.ExitCode.INTERRUPTED)

@@ -19,10 +19,8 @@ import contextlib
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +32,10 @@ from rankwise.testing import write_launcher_error
 from harness.common.launch_detect import Launch
 from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
+from harness.launched.fate import Fate
+from harness.launched.gathered import Gathered
+from harness.launched.nodes import Nodes
+from harness.launched.position import Position
 from harness.launched.store import QUIET_AFTER_S, Peers, first_line, store_gone
 from harness.launched.watch import Watch
 from harness.rank import group_release
@@ -73,18 +75,9 @@ def _own_basetemp(config: pytest.Config, rank: int) -> None:
         factory._given_basetemp = given / f"rank{rank}"
 
 
-@dataclass
-class FirstFailure:
-    """The session's first failed test, as this rank reported it (for torchrun's summary)."""
-
-    nodeid: str
-    root: int  # the rank its report names first
-    line: str  # what the report's first line says
-    text: str  # this rank's report of it
-
-
 class LaunchedSession:
-    """This rank's view of the launched session: its store, its group, where it is."""
+    """This rank's view of the launched session: its store, its group, where it is (its
+    `position`), which node each rank runs on (`nodes`) and what became of it (`fate`)."""
 
     def __init__(self, config: pytest.Config, launch: Launch, backend: str) -> None:
         self.config = config
@@ -92,35 +85,17 @@ class LaunchedSession:
         self.rank = launch.rank
         self.world_size = launch.world_size
         self.backend = backend
-        self.peers: Peers | None = None
-        self.index = -1  # the current test's place in the collected order (every rank alike)
-        self.calls = 0  # run_on_ranks calls so far in the current test
-        self.own_groups = 0  # groups the current test set up from the environment so far
-        self.restore_rendezvous: Callable[[], None] = lambda: None  # torch's env:// handler
-        self.stage = -1  # where this rank is: 2 * index in a test, 2 * index + 1 finishing it
-        self.current = ""  # the node id of the test running now
-        self.collected: list[str] = []
-        self.done: set[str] = set()
-        self.lost: dict[int, str] = {}  # ranks that cannot run another test, and why
-        self.stop_reason = ""
-        self.final_status: int | None = None
-        self.group_timeout_s = GROUP_TIMEOUT_MARGIN_S
-        self.hung: dict[str, RankOutcome] = {}  # the outcomes this rank's timer published
-        self.finished = threading.Event()  # the exit status is agreed: the session is over
+        self.position = Position()
+        self.nodes = Nodes(launch)  # the launcher's numbering until the ranks say theirs
+        self.fate = Fate()
         self.watch = Watch(self)  # its hang and launcher-stop paths
         self.real_writer: Any = None  # this quiet rank's terminal writer, kept to speak with
-        self.absent: dict[int, str] = {}  # why ranks were missing from the last exchange
-        # Under --continue-on-collection-errors: the other ranks' collection errors, which
-        # this rank's report would not show (their own reports are quiet).
-        self.peer_collection_errors: list[str] = []
-        self.dying = False  # an injected fault is about to end this process
+        self.restore_rendezvous: Callable[[], None] = lambda: None  # torch's env:// handler
+        self._peers: Peers | None = None
+        self._group_timeout_s = GROUP_TIMEOUT_MARGIN_S
+        self._hung: dict[str, RankOutcome] = {}  # the outcomes this rank's timer published
         self._group: Any = None  # the session's own default group, to tell it from others
         self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
-        self.first_failure: FirstFailure | None = None  # for torchrun's summary (error_files)
-        # Each rank's node ("node 1 (host n2)"), and the node that holds the launch's store,
-        # as the ranks said at the start: what a lost node is named by.
-        self.placement: dict[int, str] = {}
-        self.store_node = ""
 
     # ---- the store ---------------------------------------------------------------------
 
@@ -130,7 +105,7 @@ class LaunchedSession:
         rank's session, saying so."""
         bound = max(CONNECT_S, session_timeout(settings_of(self.config)))
         try:
-            self.peers = Peers(self.launch, bound, settings_of(self.config).secret)
+            peers = Peers(self.launch, bound, settings_of(self.config).secret)
         except Exception as exc:
             if not store_gone(exc):
                 raise
@@ -141,31 +116,63 @@ class LaunchedSession:
                 f"that holds it is down, or the link to it; the other ranks name this rank",
                 returncode=pytest.ExitCode.INTERRUPTED,
             ) from None
-        self.peers.position = lambda: self.stage
-        self.peers.name_of = self._name_of
+        self._peers = peers
+        peers.position = lambda: self.position.stage
+        peers.name_of = self.position.name_of
         # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
-        self.peers.silent_elsewhere_s = session_timeout(settings_of(self.config))
+        peers.silent_elsewhere_s = session_timeout(settings_of(self.config))
         self.put(f"pid/{self.rank}", str(os.getpid()))  # for the report if this rank dies
-        self.watch.start_heartbeat(self.peers)
+        self.watch.start_heartbeat(peers)
 
     @property
-    def store(self) -> Any:
-        assert self.peers is not None, "the launched session is not connected"
-        return self.peers.store
+    def connected(self) -> bool:
+        return self._peers is not None
+
+    @property
+    def _store(self) -> Peers:
+        """The launch's store, with its waits (the session must be connected)."""
+        assert self._peers is not None, "the launched session is not connected"
+        return self._peers
+
+    @property
+    def nonce(self) -> str:
+        """This rank's random word for the session's own prefix (see agreements.py)."""
+        return self._store.nonce
+
+    def freshen(self, nonces: list[bytes]) -> None:
+        """Go on under the prefix made from every rank's word."""
+        self._store.freshen(nonces)
+
+    def still_in_this_test(self, rank: int) -> bool:
+        """Whether `rank` is alive and has not moved past this rank's place."""
+        return self._store.still_in_this_test(rank)
+
+    def in_torch_distributed(self, rank: int) -> bool:
+        """Whether `rank`'s main thread is blocked in torch.distributed (as it said)."""
+        return self._store.in_torch_distributed(rank)
 
     @property
     def stopping(self) -> bool:
-        return self.peers is not None and self.peers.stopping
+        return self._peers is not None and self._peers.stopping
+
+    def allow_silence(self, seconds: float) -> None:
+        """A test bounded longer than the session's default: a peer elsewhere may be silent
+        (its GIL held) that long before it counts as gone."""
+        if self._peers is not None:
+            self._peers.silent_elsewhere_s = max(self._peers.silent_elsewhere_s, seconds)
+
+    def bound_groups(self, longest_test_s: float) -> None:
+        """The session's groups time out only past the longest test's bound."""
+        self._group_timeout_s = longest_test_s + GROUP_TIMEOUT_MARGIN_S
 
     def put(self, key: str, value: bytes | str) -> None:
-        assert self.peers is not None, "the launched session is not connected"
         self._track(key)
-        self.peers.put(key, value)
+        self._store.put(key, value)
 
     def _track(self, key: str) -> None:
         """Remember a test's own keys ("t<index>/..."), to delete them once all have read."""
         if key.startswith("t"):
-            self._written.setdefault(self.index, []).append(key)
+            self._written.setdefault(self.position.index, []).append(key)
 
     def wait(self, keys: Sequence[str], seconds: float) -> bool:
         """Whether every key is set within `seconds` (a few once the job is stopping)."""
@@ -173,28 +180,26 @@ class LaunchedSession:
 
     def get(self, key: str, seconds: float) -> bytes | None:
         """The value rank 0 (or any one rank) published at `key`, waiting up to `seconds`."""
-        assert self.peers is not None
-        return self.peers.wait_for(key, seconds)
+        return self._store.wait_for(key, seconds)
 
     def gather(
         self, name: str, value: bytes | str | None, seconds: float, follow_exits: bool = True
-    ) -> list[bytes | None]:
+    ) -> Gathered:
         """Every rank's `value` under `name`, in rank order; None for a rank that did not
-        publish (gone, moved on, or late past `seconds`: the reason lands in `absent`).
+        publish (gone, moved on, or late past `seconds`), with its reason.
 
         A rank absent because it ended its session with pytest.exit() or KeyboardInterrupt
         ends this one alike (pytest.exit with its words and status), unless `follow_exits`
         is False (the session's end, where every rank is already stopping).
         """
-        assert self.peers is not None
         if value is not None:
             self._track(f"{name}/{self.rank}")
-        found, self.absent = self.peers.gather(name, value, seconds, set(self.lost))
-        if not self.absent:  # every rank is at this test: all have read the earlier tests' keys
-            for old in [i for i in self._written if i < self.index]:
-                self.peers.drop(self._written.pop(old))
+        found = self._store.gather(name, value, seconds, set(self.fate.lost))
+        if found.complete:  # every rank is at this test: all have read the earlier tests' keys
+            for old in [i for i in self._written if i < self.position.index]:
+                self._store.drop(self._written.pop(old))
         if follow_exits:
-            self._follow_an_exit()
+            self._follow_an_exit(found)
         return found
 
     def ended_early(self, text: str, code: int) -> None:
@@ -203,12 +208,11 @@ class LaunchedSession:
         once), and move past every test (a peer waiting for this rank's word stops)."""
         self.put(f"exit/{self.rank}", json.dumps({"text": text, "code": code}))
         self.drop_group()
-        self.at(2 * max(len(self.collected), self.index + 1))
+        self.at(self.position.past_every_test())
 
-    def _follow_an_exit(self) -> None:
-        assert self.peers is not None
-        for rank in sorted(self.absent):
-            blob = self.peers.read(f"exit/{rank}")
+    def _follow_an_exit(self, found: Gathered) -> None:
+        for rank in sorted(found.absent):
+            blob = self._store.read(f"exit/{rank}")
             if blob is not None and rank != self.rank:
                 key = f"exit/{rank}"
                 try:
@@ -222,42 +226,34 @@ class LaunchedSession:
 
     def begin(self, nodeid: str) -> None:
         """A test starts here (whether it will run, skip or fail): say so to the others."""
-        self.current = nodeid
-        self.done.add(nodeid)
-        self.index = self.collected.index(nodeid) if nodeid in self.collected else self.index
-        self.calls = 0
-        self.own_groups = 0
-        self.at(2 * self.index)
+        self.at(self.position.begin(nodeid))
 
     def at(self, stage: int) -> None:
         """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
-        self.stage = stage
+        self.position.stage = stage
         self.put(f"at/{self.rank}", str(stage))
 
     def finishing(self) -> None:
         """This rank is past the current test's body and calls: only its verdict is left."""
-        self.at(2 * self.index + 1)
+        self.at(self.position.finishing())
 
     def test_key(self) -> str:
-        return f"t{self.index}"
+        return self.position.test_key()
 
     def own_group_prefix(self) -> str:
         """The store prefix of the next group the current test sets up from torchrun's
         environment (see rendezvous.py): the test and how many came before."""
-        assert self.peers is not None
-        self.own_groups += 1
-        return f"{self.peers.prefix}/own_groups/t{self.index}/{self.own_groups}"
+        return f"{self._store.prefix}/{self.position.own_group_key()}"
 
     def call_key(self) -> str:
-        """The store keys' prefix of the next run_on_ranks call in the current test."""
-        self.calls += 1
-        return f"t{self.index}/c{self.calls}"
+        return self.position.call_key()
 
-    def _name_of(self, stage: int) -> str:
-        index, finishing = divmod(stage, 2)
-        if not 0 <= index < len(self.collected):
-            return "the end of the session" if index >= 0 else "no test yet"
-        return f"the end of {self.collected[index]}" if finishing else self.collected[index]
+    @property
+    def current(self) -> str:
+        return self.position.current
+
+    def not_run(self) -> list[str]:
+        return self.position.not_run()
 
     # ---- the process group ---------------------------------------------------------------
 
@@ -266,18 +262,20 @@ class LaunchedSession:
             return torch.device("cuda", cuda_index(self.launch))
         return torch.device("cpu")
 
-    def agree_on_group(self, key: str, seconds: float, fresh: bool) -> bool:
+    def agree_on_group(self, key: str, seconds: float, fresh: bool) -> Gathered:
         """Every rank on the session's live group for run `key`: if any rank lacks it (a test
         destroyed it or replaced it, a plain test set it aside) or `fresh` is asked, every
-        rank sets a new one up, under this run's keys. False when a rank did not come."""
+        rank sets a new one up, under this run's keys. Not complete when a rank did not come
+        (then no group is set up)."""
         need = "1" if fresh or not self.has_group() else "0"
         found = self.gather(f"{key}/group", need, seconds)
-        if any(flag is None for flag in found):
-            return False
-        if any(flag == b"1" for flag in found):
+        if not found.complete:
+            return found
+        if any(flag == b"1" for flag in found.values):
             self.drop_group()
-            self._init_group(dist.PrefixStore(f"{key}/group", self.store))  # type: ignore[attr-defined]
-        return True
+            store = dist.PrefixStore(f"{key}/group", self._store.store)  # type: ignore[attr-defined]
+            self._init_group(store)
+        return found
 
     def has_group(self) -> bool:
         return dist.is_initialized() and dist.group.WORLD is self._group
@@ -294,7 +292,7 @@ class LaunchedSession:
             store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=self.group_timeout_s),
+            timeout=timedelta(seconds=self._group_timeout_s),
             **kwargs,
         )
         self._group = dist.group.WORLD
@@ -321,7 +319,6 @@ class LaunchedSession:
     def note_death(self, text: str, signum: int | None = None, code: int | None = None) -> None:
         """Say, before this process dies of something the harness knows (an injected fault),
         what it was; a SIGTERM it sends itself then ends it, as it would a warm rank."""
-        self.dying = True
         with contextlib.suppress(ValueError):  # called from the body, on the main thread
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(Exception):
@@ -331,20 +328,20 @@ class LaunchedSession:
 
     def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]:
         """Every rank's outcome of run `key`; a rank that published none is read as gone."""
-        mine = None if key in self.hung else records.encode_outcome(outcome)  # or the timer's
+        mine = None if key in self._hung else records.encode_outcome(outcome)  # or the timer's
         found = self.gather(f"{key}/outcome", mine, seconds)
-        own = self.hung.get(key, outcome)  # what this rank said, where its word cannot arrive
+        own = self._hung.get(key, outcome)  # what this rank said, where its word cannot arrive
         return [
             self._outcome(key, r, blob)
             if blob is not None
-            else (own if r == self.rank and self.store_lost else self._missing(key, r))
-            for r, blob in enumerate(found)
+            else (own if r == self.rank and self.store_lost else self._missing(key, r, found))
+            for r, blob in enumerate(found.values)
         ]
 
     @property
     def store_lost(self) -> str:
         """Why the launch's store stopped answering ("" while it answers)."""
-        return "" if self.peers is None else self.peers.lost
+        return "" if self._peers is None else self._peers.lost
 
     def _outcome(self, key: str, rank: int, blob: bytes) -> RankOutcome:
         """Rank `rank`'s outcome as read from the store: data, checked, never code. A value
@@ -371,79 +368,62 @@ class LaunchedSession:
     def hang_reports(self, key: str, ranks: list[int]) -> str:
         """What the timers of `ranks` recorded under `key` (a hang, with its stacks) before
         their process ended; empty if none did. Each record is checked as any outcome."""
-        assert self.peers is not None
         texts = []
         for rank in ranks:
-            blob = self.peers.read(f"{key}/outcome/{rank}")
+            blob = self._store.read(f"{key}/outcome/{rank}")
             if blob is not None:
                 texts.append(failure_text([self._outcome(key, rank, blob)]))
         return "".join(f"\n{text}" for text in texts if text)
 
-    def _missing(self, key: str, rank: int) -> RankOutcome:
-        assert self.peers is not None
+    def _missing(self, key: str, rank: int, found: Gathered) -> RankOutcome:
         died = self._died(rank)
-        why = f"it died: {died['text']}" if died else self.absent.get(rank, "gone")
-        pid = records.read_int(self.peers.read(f"pid/{rank}"), f"pid/{rank}", 0)
-        node_lost = "" if died else self._node_lost(rank, why)
+        why = f"it died: {died['text']}" if died else found.why(rank)
+        pid = records.read_int(self._store.read(f"pid/{rank}"), f"pid/{rank}", 0)
+        node_lost = "" if died else self._node_lost(rank, found)
         if node_lost:  # first in time: when its node went, not when this rank noticed
-            went = self.peers.lost_at if self.peers.lost else self.peers.last_sign_of_life(rank)
+            went = self._store.lost_at if self._store.lost else self._store.last_sign_of_life(rank)
             outcome = RankOutcome(key, rank, pid, Ending.LOST, message=node_lost, at=went)
-            if self.peers.lost and self.node_of(rank) != self.store_node:
-                outcome.origin_rank = self._store_rank()  # alive, most likely: unheard
+            if self._store.lost and self.nodes.node_of(rank) != self.nodes.store_node:
+                outcome.origin_rank = self.nodes.store_rank()  # alive, most likely: unheard
             why = node_lost
         elif died.get("signal") is not None:
             outcome = RankOutcome(key, rank, pid, Ending.SIGNALLED, signal=died["signal"])
         else:
             outcome = RankOutcome(key, rank, pid, Ending.HARD_EXIT, exit_code=died.get("code"))
-        self.lost[rank] = why
+        self.fate.lose({rank: why})
         if outcome.ending is not Ending.LOST:  # a lost rank's words say it already
             outcome.at = time.monotonic()
             outcome.notes.append(f"rank {rank} gave no outcome: {why}")
         return outcome
 
-    def _node_lost(self, rank: int, why: str) -> str:
+    def _node_lost(self, rank: int, found: Gathered) -> str:
         """What happened to `rank`'s node, where it is gone or out of reach as a whole ("":
         it is not, or which node `rank` runs on is unknown): every rank of the node absent,
         or the launch's store gone (its node lost, or this one cut off from it)."""
-        assert self.peers is not None
-        node = self.node_of(rank)
-        if self.peers.lost:
-            store = self.store_node or "the node that held it"
-            if node == self.store_node or not self.store_node:
-                said = self.peers.lost
+        node, store_node = self.nodes.node_of(rank), self.nodes.store_node
+        if self._store.lost:
+            store = store_node or "the node that held it"
+            if node == store_node or not store_node:
+                said = self._store.lost
                 return f"{store} was lost: the launch's store there stopped answering ({said})"
             return f"not heard from: the launch's store was lost with {store}"
         if not node:
             return ""
-        ranks = self.ranks_on(node)
-        if any(r == self.rank or (r not in self.absent and r not in self.lost) for r in ranks):
+        here = self.nodes.ranks_on(node)
+        if any(r == self.rank or (r not in found.absent and r not in self.fate.lost) for r in here):
             return ""  # one rank of it went: its node is still there
         return (
             f"{node} was lost: none of its ranks gave an outcome or a sign of life (the node "
             f"went down, its processes were killed, or its link was cut)"
         )
 
-    def ranks_on(self, node: str) -> list[int]:
-        return sorted(r for r in range(self.world_size) if self.node_of(r) == node)
-
-    def node_of(self, rank: int) -> str:
-        """`rank`'s node as it said at the start; before it said (or where it never did), as
-        the launcher numbers nodes, each running LOCAL_WORLD_SIZE consecutive ranks."""
-        said = self.placement.get(rank)
-        if said is not None:
-            return said
-        if self.launch.node is None or self.world_size % self.launch.local_world_size:
-            return ""
-        return f"node {rank // self.launch.local_world_size}"
-
-    def _store_rank(self) -> int | None:
-        ranks = self.ranks_on(self.store_node) if self.store_node else []
-        return ranks[0] if ranks else None
+    def placed(self, nodes: Nodes) -> None:
+        """The ranks said which node each runs on (see agreements.py)."""
+        self.nodes = nodes
 
     def _died(self, rank: int) -> dict[str, Any]:
         """What rank `rank` said as it died ({} if nothing, or nothing of the harness's)."""
-        assert self.peers is not None
-        blob = self.peers.read(f"died/{rank}")
+        blob = self._store.read(f"died/{rank}")
         if blob is None:
             return {}
         fields: dict[str, Any] = {
@@ -459,25 +439,24 @@ class LaunchedSession:
     def publish_hang(self, key: str, outcome: RankOutcome) -> None:
         """This rank's timer found it hung in run `key`: publish that as its outcome (the main
         thread, if it comes back, keeps it)."""
-        self.hung[key] = outcome
+        self._hung[key] = outcome
         self.put(f"{key}/outcome/{self.rank}", records.encode_outcome(outcome))
 
     def launcher_stopped(self) -> bool:
         """The launcher is stopping the job: waits end soon, and the main thread stops after
         this test. False when that is known already (or the session never connected)."""
-        if self.stopping or self.peers is None:
+        if self.stopping or self._peers is None:
             return False
-        self.peers.stopping = True
+        self._peers.stopping = True
         with contextlib.suppress(Exception):
             self.put(f"stopped/{self.rank}", self.current or "-")
         return True
 
     def own_outcome(self, key: str) -> RankOutcome:
         """The outcome this rank published for run `key` (its timer's, for a hang)."""
-        if key in self.hung:
-            return self.hung[key]
-        assert self.peers is not None
-        blob = self.peers.read(f"{key}/outcome/{self.rank}") or b""
+        if key in self._hung:
+            return self._hung[key]
+        blob = self._store.read(f"{key}/outcome/{self.rank}") or b""
         return records.decode_outcome(blob, key, self.rank)
 
     def reports(self) -> bool:
@@ -485,10 +464,11 @@ class LaunchedSession:
         for a lost one (see speak_for_rank_0): the lowest with no live rank below it."""
         if self.real_writer is None:
             return True
-        if not self.store_lost and self.peers is not None:
-            if self.peers.live_below(self.rank, QUIET_AFTER_S):
+        if not self.store_lost and self._peers is not None:
+            if self._peers.live_below(self.rank, QUIET_AFTER_S):
                 return False
-            self.lost.update({r: "no sign of life" for r in range(self.rank) if r not in self.lost})
+            for rank in range(self.rank):
+                self.fate.lose_unless_known(rank, "no sign of life")
         self.speak_for_rank_0()
         return self.real_writer is None
 
@@ -497,18 +477,18 @@ class LaunchedSession:
         nothing within `wait_s` of being stopped), with what they said as they died."""
         others = [r for r in range(self.world_size) if r != self.rank]
         self.wait([f"stopped/{r}" for r in others], wait_s)
-        assert self.peers is not None
-        if self.peers.lost:  # no rank's word arrives: say what is known, the lost node
-            outcomes = [self._missing(self.test_key(), r) for r in others]
-            text = failure_text(outcomes) or f"the launch's store is gone ({self.peers.lost})"
+        if self._store.lost:  # no rank's word arrives: say what is known, the lost node
+            none = Gathered([None] * self.world_size)
+            outcomes = [self._missing(self.test_key(), r, none) for r in others]
+            text = failure_text(outcomes) or f"the launch's store is gone ({self._store.lost})"
             head = text.splitlines()[0]
             during = f"during {self.current}" if self.current else "between tests"
             verdict = f"FAILED {self.current} - {head}\n" if self.current else ""
             return f"{verdict}harness: the launcher stopped the job {during}: {text}"
         gone = {
-            r: self._died(r).get("text", "") for r in others if not self.peers.has(f"stopped/{r}")
+            r: self._died(r).get("text", "") for r in others if not self._store.has(f"stopped/{r}")
         }
-        return terminal.stop_report(self.current, self.world_size, gone, self.placement)
+        return terminal.stop_report(self.current, self.world_size, gone, dict(self.nodes.said))
 
     def say(self, text: str) -> None:
         """Write to the real terminal, past pytest's capture, whichever rank this is."""
@@ -526,23 +506,23 @@ class LaunchedSession:
         """Rank 0's last words on the terminal (a quiet rank says nothing)."""
         if self.real_writer is not None:
             return
-        peers = self.peers
+        peers = self._peers
         terminal.summary(
             reporter,
             unsigned=peers is not None and peers.secret is None,
             refused=[] if peers is None else list(peers.refused),
-            peer_collection_errors=self.peer_collection_errors,
-            stop_reason=self.stop_reason,
-            not_run=self.not_run(),
+            peer_collection_errors=self.fate.peer_collection_errors,
+            stop_reason=self.fate.stop_reason,
+            not_run=self.position.not_run(),
         )
 
     def speak_for_rank_0(self) -> None:
         """Rank 0 is gone: the lowest rank left prints the report from here on; with the
         launch's store gone, the lowest of each node's ranks (no rank hears another now)."""
-        alive = [r for r in range(self.world_size) if r not in self.lost]
-        if self.peers is not None and self.peers.lost:
-            node = self.node_of(self.rank)
-            alive = self.ranks_on(node) if node else [self.rank]
+        alive = [r for r in range(self.world_size) if r not in self.fate.lost]
+        if self.store_lost:
+            node = self.nodes.node_of(self.rank)
+            alive = self.nodes.ranks_on(node) if node else [self.rank]
         if self.real_writer is None or not alive or alive[0] != self.rank:
             return
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -553,20 +533,15 @@ class LaunchedSession:
             why = f"the launch's store stopped answering ({self.store_lost}); no rank hears another"
             terminal.loud(self.config, f"harness: {why}: rank {self.rank} reports for its node")
             return
-        why = self.lost.get(0, "no sign of life")
+        why = self.fate.lost.get(0, "no sign of life")
         terminal.loud(self.config, f"harness: rank 0 is gone ({why}); rank {self.rank} reports")
-
-    def leads_node(self) -> bool:
-        """Whether this rank is the lowest of its node's (it speaks for its node)."""
-        node = self.node_of(self.rank)
-        return node is not None and self.ranks_on(node)[0] == self.rank
 
     def tell_node(self, nodeid: str, text: str) -> None:
         """Where a node was lost, each node's lowest rank that does not report the test says
         its verdict in one line on its own node's terminal: every surviving node shows it."""
-        if self.real_writer is None or not self.leads_node() or not text:
+        if self.real_writer is None or not self.nodes.leads_node(self.rank) or not text:
             return
-        node = self.node_of(self.rank)
+        node = self.nodes.node_of(self.rank)
         terminal.loud(
             self.config,
             f"FAILED {nodeid} - {text.splitlines()[0]} (rank {self.rank} for {node}; the "
@@ -575,11 +550,7 @@ class LaunchedSession:
 
     def stop(self, reason: str, session: pytest.Session) -> None:
         """End the session after the current test: a rank cannot go on."""
-        self.stop_reason = reason
-        session.shouldfail = reason  # as -x does: the exit status says tests failed
-
-    def not_run(self) -> list[str]:
-        return [nodeid for nodeid in self.collected if nodeid not in self.done]
+        self.fate.stop(reason, session)
 
     def over(self, status: int) -> None:
         """The session's end is agreed: from here this process exits with `status` on its own.
@@ -588,8 +559,7 @@ class LaunchedSession:
         past every report by then, so the launcher's SIGTERM is ignored from here (it would
         otherwise land in interpreter shutdown and end the rank as killed).
         """
-        self.final_status = status
-        self.finished.set()
+        self.fate.over(status)
         with contextlib.suppress(ValueError):  # not the main thread: the handler still exits
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from harness.common import reaper, signing
 from harness.common.launch_detect import Launch
+from harness.launched.gathered import Gathered
 
 _T = TypeVar("_T")
 
@@ -194,7 +195,7 @@ class Peers:
 
     def gather(
         self, name: str, value: bytes | str | None, seconds: float, skip: set[int]
-    ) -> tuple[list[bytes | None], dict[int, str]]:
+    ) -> Gathered:
         """Every rank's value under `name` (None where absent) and why each absent one is.
 
         `value` None keeps what this rank published there already; ranks in `skip` (known
@@ -207,10 +208,10 @@ class Peers:
         absent = self._await(keys, awaited, seconds)
         if self.lost:
             gone = f"the launch's store stopped answering ({self.lost})"
-            return [None] * self.world_size, {r: gone for r in awaited | skip}
+            return Gathered([None] * self.world_size, {r: gone for r in awaited | skip})
         values = [self.read(k) if r not in skip else None for r, k in enumerate(keys)]
         reasons = {r: absent.get(r, "gone before") for r, v in enumerate(values) if v is None}
-        return values, reasons
+        return Gathered(values, reasons)
 
     def polls(self, seconds: float) -> Iterator[float]:
         """Yields the seconds waited so far, pausing between yields (briefly at first, as

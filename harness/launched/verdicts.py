@@ -17,6 +17,7 @@ import pytest
 from harness import timeout_interop
 from harness.common.outcome import ranks_phrase, report_looks_collateral
 from harness.launched import records
+from harness.launched.gathered import Gathered
 from harness.launched.session import LaunchedSession
 from harness.settings import session_timeout, settings_of
 
@@ -34,7 +35,7 @@ PLAIN_WAIT_S = 600.0
 def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
     """One verdict for a test without ranks too: every rank ran it on its own; a failure on
     any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
-    if launched.peers is None:
+    if not launched.connected:
         return
     launched.finishing()
     mine = {
@@ -49,10 +50,10 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     with timeout_interop.pytest_timeout_paused(item):
         key = f"{launched.test_key()}/plain"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
-    if launched.absent:
-        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(launched.absent.items()))
-        launched.lost.update(launched.absent)
-        if 0 in launched.lost:
+    if not found.complete:
+        absent = found.absent_text()
+        launched.fate.lose(found.absent)
+        if 0 in launched.fate.lost:
             launched.speak_for_rank_0()  # rank 0 cannot report this test: the lowest rank left does
         launched.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
@@ -82,7 +83,9 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     if report.outcome == "failed":
         _also_failed(report, failed, launched.rank)
         return
-    published = {r: _published(b, f"{key}/{r}") for r, b in enumerate(found) if b is not None}
+    published = {
+        r: _published(b, f"{key}/{r}") for r, b in enumerate(found.values) if b is not None
+    }
     _agree_on_skips(report, published)
 
 
@@ -102,20 +105,19 @@ RELEASE_CHECK_S = 1.0
 
 def _gather_releasing_peers(
     launched: LaunchedSession, key: str, failed: bool, mine: str
-) -> list[bytes | None]:
+) -> Gathered:
     """Every rank's `mine` under `key`; where this rank `failed`, a peer still blocked in
     torch.distributed (on this rank, most likely) is released by leaving the group."""
     if not failed:
         return launched.gather(key, mine, PLAIN_WAIT_S)
-    assert launched.peers is not None
-    peers, start = launched.peers, time.monotonic()
+    start = time.monotonic()
     blocked_since: float | None = None
     found = launched.gather(key, mine, RELEASE_CHECK_S)
-    while launched.absent and time.monotonic() - start < PLAIN_WAIT_S:
-        waiting = [r for r in launched.absent if peers.still_in_this_test(r)]
+    while not found.complete and time.monotonic() - start < PLAIN_WAIT_S:
+        waiting = [r for r in found.absent if launched.still_in_this_test(r)]
         if not waiting:
             break
-        blocked = [r for r in waiting if peers.in_torch_distributed(r)]
+        blocked = [r for r in waiting if launched.in_torch_distributed(r)]
         if blocked and launched.has_default_group():
             launched.drop_group()
             return launched.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
@@ -123,9 +125,8 @@ def _gather_releasing_peers(
         # the peer waits in): after the test's timeout it is hung, and the session ends.
         blocked_since = (blocked_since or time.monotonic()) if blocked else None
         if blocked_since is not None and time.monotonic() - blocked_since > _timeout(launched):
-            for rank in blocked:
-                launched.absent[rank] = "blocked in torch.distributed, waiting on this rank"
-            break
+            why = "blocked in torch.distributed, waiting on this rank"
+            return found.with_absent(dict.fromkeys(blocked, why))
         found = launched.gather(key, None, RELEASE_CHECK_S)
     return found
 
@@ -142,13 +143,11 @@ _PLAIN: _Fields = {
 _TEARDOWN: _Fields = {"failed": bool, "text": str}
 
 
-def _others(
-    launched: LaunchedSession, found: list[bytes | None], key: str
-) -> list[tuple[int, Any]]:
+def _others(launched: LaunchedSession, found: Gathered, key: str) -> list[tuple[int, Any]]:
     """The other ranks' published values, decoded, with their ranks."""
     return [
         (r, _published(blob, f"{key}/{r}"))
-        for r, blob in enumerate(found)
+        for r, blob in enumerate(found.values)
         if blob is not None and r != launched.rank
     ]
 
@@ -176,19 +175,19 @@ def teardown_verdict(
 ) -> None:
     """A teardown that failed on any rank is the test's error on every rank, naming the
     rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
-    if launched.peers is None:
+    if not launched.connected:
         return
     mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
-    lost_before = set(launched.lost) | {launched.rank}
+    lost_before = set(launched.fate.lost) | {launched.rank}
     # As for the verdict: a slow peer times itself.
     with timeout_interop.pytest_timeout_paused(item):
         key = f"{launched.test_key()}/teardown"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
-    gone = {r: why for r, why in launched.absent.items() if r not in lost_before}
+    gone = {r: why for r, why in found.absent.items() if r not in lost_before}
     if gone:  # a rank that died in its teardown (even with status 0), or hangs there
-        absent = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
-        launched.lost.update(gone)
-        if 0 in launched.lost:
+        absent = found.absent_text(set(gone))
+        launched.fate.lose(gone)
+        if 0 in launched.fate.lost:
             launched.speak_for_rank_0()
         launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
         if not report.failed:

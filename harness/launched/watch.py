@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from harness.common.outcome import Ending, RankOutcome, failure_text
+from harness.launched.fate import Fate
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
 from harness.stacks import trim_in_process
 
@@ -129,9 +130,12 @@ class Watched(Protocol):
     is over, and the few things the watch asks of it (it changes nothing in it itself)."""
 
     rank: int
-    current: str  # the node id of the test running now
-    finished: threading.Event  # the exit status is agreed: the session is over
-    final_status: int | None  # that status, once agreed
+    fate: Fate  # its `finished` and `final_status`: the exit status, once agreed
+
+    @property
+    def current(self) -> str:
+        """The node id of the test running now."""
+        ...
 
     @property
     def stopping(self) -> bool: ...
@@ -204,7 +208,7 @@ class Watch:
         goes on while the main thread is blocked in a collective)."""
 
         def beat() -> None:
-            while not self._session.finished.wait(HEARTBEAT_S):
+            while not self._session.fate.finished.wait(HEARTBEAT_S):
                 with contextlib.suppress(Exception):
                     peers.beat()
 
@@ -228,8 +232,8 @@ class Watch:
             signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self._session.final_status is not None:  # past every report: end as agreed
-            os._exit(self._session.final_status)
+        if self._session.fate.final_status is not None:  # past every report: end as agreed
+            os._exit(self._session.fate.final_status)
         threading.Thread(target=self._stopped, daemon=True).start()  # never block the main thread
 
     def _read(self) -> None:
@@ -243,8 +247,8 @@ class Watch:
 
     def _stopped(self) -> None:
         session = self._session
-        if session.final_status is not None:
-            os._exit(session.final_status)
+        if session.fate.final_status is not None:
+            os._exit(session.fate.final_status)
         if not session.launcher_stopped():  # noted: waits end soon, the main thread stops
             return
         self._finish_or_report("the launcher stopped the job", None)
@@ -254,12 +258,12 @@ class Watch:
     def _finish_or_report(self, why: str, hung_key: str | None) -> None:
         """Let the main thread end the session; if it cannot, report (rank 0) and exit."""
         session = self._session
-        if session.finished.wait(FINISH_GRACE_S):
+        if session.fate.finished.wait(FINISH_GRACE_S):
             return
         if not self._once.acquire(blocking=False):
             return
-        if session.final_status is not None:
-            os._exit(session.final_status)
+        if session.fate.final_status is not None:
+            os._exit(session.fate.final_status)
         if session.reports():
             with contextlib.suppress(Exception):
                 self._report(why, hung_key)

@@ -35,10 +35,10 @@ def _job(port: int, freshen: bool) -> list[Peers]:
     def start(rank: int) -> None:
         try:
             mine = Peers(_launch(port, rank), 30.0, SECRET)
-            found, absent = mine.gather("backend", f"gloo {mine.nonce}", 30.0, set())
-            assert not absent, absent
+            found = mine.gather("backend", f"gloo {mine.nonce}", 30.0, set())
+            assert found.complete, found.absent
             if freshen:
-                mine.freshen([(b or b"").split(b" ")[-1] for b in found])
+                mine.freshen([(b or b"").split(b" ")[-1] for b in found.values])
             peers[rank] = mine
         except BaseException as exc:
             failed.append(exc)
@@ -118,10 +118,10 @@ def test_a_store_that_goes_away_is_lost_and_nothing_waits_on_it() -> None:
         assert peers.lost.startswith("DistNetworkError: ") and "\n" not in peers.lost
         assert "frame #" not in peers.lost
         started = time.monotonic()
-        found, absent = peers.gather("t0/outcome", "mine", 300.0, set())
+        found = peers.gather("t0/outcome", "mine", 300.0, set())
         assert time.monotonic() - started < 5.0  # no wait on a store that is gone
-        assert found == [None, None]
-        assert absent == {0: f"the launch's store stopped answering ({peers.lost})"}
+        assert found.values == [None, None]
+        assert found.absent == {0: f"the launch's store stopped answering ({peers.lost})"}
         assert peers.read("at/1") is None and not peers.has("at/1")
     finally:
         _stop(server)
