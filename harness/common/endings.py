@@ -47,8 +47,10 @@ def ended_by(
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
             said = text_of(exc.code)
-        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said)
-        outcome.traceback = user_traceback(exc, show_locals)  # where it was called
+        where = user_traceback(exc, show_locals)  # where it was called
+        outcome = ended(
+            key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said, traceback=where
+        )
     elif (ending := _pytest_outcome(exc)) is not None:
         message = text_of(getattr(exc, "msg", exc))
         at = _raised_at(exc) if ending is Ending.SKIPPED else None
@@ -57,10 +59,10 @@ def ended_by(
         outcome = raised(key, rank, exc, show_locals=show_locals)
         returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
         if type(exc).__name__ == "Exit" and isinstance(returncode, int):
-            outcome.exit_code = returncode
+            outcome = outcome.but(exit_code=returncode)
     origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
     if isinstance(origin, int) and not isinstance(origin, bool):
-        outcome.origin_rank = origin
+        outcome = outcome.but(origin_rank=origin)
     return outcome
 
 
@@ -103,7 +105,7 @@ def text_of(value: object) -> str:
 def raised(
     key: str, rank: int, exc: BaseException, note: str = "", show_locals: LocalsShown = None
 ) -> RankOutcome:
-    outcome = ended(
+    return ended(
         key,
         rank,
         Ending.RAISED,
@@ -112,10 +114,8 @@ def raised(
         exc_classes=tuple(qualified_name(cls) for cls in type(exc).__mro__),
         message=text_of(exc),
         traceback=user_traceback(exc, show_locals),
+        notes=(note,) if note else (),
     )
-    if note:
-        outcome.notes.append(note)
-    return outcome
 
 
 def not_reached(key: str, rank: int, missed: BaseException) -> RankOutcome:
@@ -123,25 +123,24 @@ def not_reached(key: str, rank: int, missed: BaseException) -> RankOutcome:
     expected exception (not even raises(BaseException)) or xfail(raises=E) may take for
     the fault. Never raised: no traceback, the message says it all."""
     outcome = raised(key, rank, missed)
-    outcome.exc_mro, outcome.exc_classes = outcome.exc_mro[:1], outcome.exc_classes[:1]
-    return outcome
+    return outcome.but(exc_mro=outcome.exc_mro[:1], exc_classes=outcome.exc_classes[:1])
 
 
 def returned(key: str, rank: int, value: Any, keep_value: bool = True) -> RankOutcome:
     """A rank that returned `value`: its repr, and (`keep_value`) the value itself pickled,
     for the pytest side to load."""
-    outcome = ended(key, rank, Ending.RETURNED)
+    outcome = ended(key, rank, Ending.RETURNED)  # its time: before the value is pickled
     if value is None:
         return outcome
-    outcome.value_repr = safe_repr(value)
+    shown = safe_repr(value)
     if not keep_value:
-        return outcome
+        return outcome.but(value_repr=shown)
     try:
-        outcome.value_blob = pickle.dumps(value)
+        return outcome.but(value_repr=shown, value_blob=pickle.dumps(value))
     except Exception as exc:
-        outcome.value_lost = f"{type(exc).__name__}: {text_of(exc)}"
-        outcome.notes.append(f"the return value could not be sent back: {outcome.value_lost}")
-    return outcome
+        lost = f"{type(exc).__name__}: {text_of(exc)}"
+        note = f"the return value could not be sent back: {lost}"
+        return outcome.but(value_repr=shown, value_lost=lost, notes=(note,))
 
 
 def user_traceback(exc: BaseException, show_locals: LocalsShown = None) -> str:

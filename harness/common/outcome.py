@@ -1,6 +1,7 @@
 """The verdict's material, read on the pytest side: :class:`RankOutcome` (the record every
-rank's end becomes, whatever ended it), which failure was the root cause and which were
-collateral, and the whole text of a failure report.
+rank's end becomes, whatever ended it; frozen: a change is a new record), which failure was
+the root cause and which were collateral, and the whole text of a failure report. What a
+warm rank keeps for the next test (its group) is not the verdict's: see rank_state.py.
 
 Imports no torch; the ranks make outcomes (endings.py), the pytest side judges them.
 """
@@ -11,8 +12,8 @@ import enum
 import pickle
 import re
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -78,13 +79,10 @@ class RankWarning:
     lineno: int
 
 
-# Point-to-point messages on a kept group: (sent, received), each ((peer, tag, count), ...).
-Messages = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...]]
-
-
-@dataclass
+@dataclass(frozen=True)
 class RankOutcome:
-    """One rank's end of one run: what it did, when, and what it printed."""
+    """One rank's end of one run: what it did, when, and what it printed. Frozen: whoever
+    learns more of it (the run loop, a verdict's diagnosis) makes a new one (`but`, `noted`)."""
 
     key: str
     rank: int
@@ -107,25 +105,28 @@ class RankOutcome:
     stderr: str = ""  # what it wrote to fd 2
     log: str = ""  # the log records it captured (RankSpec.log_capture), formatted
     after_failure: bool = False  # hung only because a peer had failed
-    notes: list[str] = field(default_factory=list)
-    leftovers: dict[str, str] = field(default_factory=dict)  # hygiene findings, by check
+    notes: tuple[str, ...] = ()
+    leftovers: Mapping[str, str] = field(default_factory=dict)  # hygiene findings, by check
     replace_after: str = ""  # why this rank must not serve another test (it is replaced)
     origin_rank: int | None = None  # the rank a library error says this failure came from
-    warnings: list[RankWarning] = field(default_factory=list)
-    kept_group: str | None = None  # the group this rank kept for the next test, if any
-    # A group the test set up itself was torn down: this rank says whether it stays
-    # (Kind.SETTLED), as it ends if something still holds the group (and its store's port).
-    settles: bool = False
-    # On that group since it was made: (sent, received) point-to-point messages by peer
-    # and tag; None when a receive from any source hides who sent what.
-    point_to_point: Messages | None = ((), ())
-    # Its operation count and torch's count of named groups (kept_group.counts; None:
-    # torch cannot tell); with the messages above, what the pytest side compares across
-    # ranks before reusing the group.
-    kept_counts: tuple[int, int] | None = None
+    warnings: tuple[RankWarning, ...] = ()
     skipped_at: tuple[str, int] | None = None  # a skip's (file, line), as pytest reports it
     setup_failed: bool = False  # the harness could not set the group up; the body never ran
     setup_attempts: int = 1  # how many times the harness tried
+
+    def but(self, **changes: Any) -> RankOutcome:
+        """This outcome with `changes` to its fields."""
+        return replace(self, **changes)
+
+    def noted(self, note: str, first: bool = False) -> RankOutcome:
+        """This outcome with one more note (`first`: before the others)."""
+        return replace(self, notes=(note, *self.notes) if first else (*self.notes, note))
+
+    def with_leftover(self, check: str, finding: str) -> RankOutcome:
+        """This outcome with a hygiene finding under `check` (after any already there)."""
+        earlier = self.leftovers.get(check, "")
+        text = f"{earlier}; {finding}" if earlier else finding
+        return replace(self, leftovers={**self.leftovers, check: text})
 
     @property
     def output(self) -> str:

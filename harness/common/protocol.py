@@ -22,7 +22,7 @@ from typing import Any, Literal
 from harness.common.expect import Expected
 from harness.common.faults import Fault
 from harness.common.hygiene import CHECKS
-from harness.common.outcome import RankOutcome
+from harness.common.rank_state import RankResult
 
 Backend = Literal["gloo", "nccl"]
 StartMethod = Literal["forkserver", "spawn", "fork"]
@@ -311,7 +311,7 @@ class Settled:
 PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.READY: Ready,
     Kind.RUN: RunTask,
-    Kind.RESULT: RankOutcome,
+    Kind.RESULT: RankResult,
     Kind.DROP_GROUP: DropGroup,
     Kind.SETTLED: Settled,
 }

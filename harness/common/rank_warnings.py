@@ -69,9 +69,9 @@ def _parsed(arg: str, escape: bool) -> tuple[Any, ...]:
     return pytest_internals.parse_warning_filter(arg, escape)
 
 
-def collected(log: Sequence[warnings.WarningMessage]) -> list[RankWarning]:
+def collected(log: Sequence[warnings.WarningMessage]) -> tuple[RankWarning, ...]:
     """What a rank recorded, in a form that travels."""
-    return [
+    return tuple(
         RankWarning(
             category=f"{w.category.__module__}.{w.category.__qualname__}",
             message=str(w.message),
@@ -79,7 +79,7 @@ def collected(log: Sequence[warnings.WarningMessage]) -> list[RankWarning]:
             lineno=w.lineno,
         )
         for w in log
-    ]
+    )
 
 
 def reemit(outcomes: Sequence[RankOutcome]) -> None:

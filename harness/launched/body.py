@@ -148,7 +148,7 @@ def _run_everywhere(
     if outcome.ending not in _CLEAN or not group_ok:
         session.drop_group()  # peers blocked on this rank fail now, not at their timeout
     if not group_ok:
-        outcome.notes.append(GROUP_DESTROYED)
+        outcome = outcome.noted(GROUP_DESTROYED)
     left = spec.timeout_s - (time.monotonic() - started)
     if key == session.test_key():
         session.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
@@ -238,11 +238,12 @@ class LaunchedBody:
     def finish(self) -> None:
         pass  # pytest tears the fixtures down itself
 
-    def after_raise(self, outcome: RankOutcome) -> None:
-        pass  # the session drops its group once every rank's outcome is known
+    def after_raise(self, outcome: RankOutcome) -> RankOutcome:
+        return outcome  # the session drops its group once every rank's outcome is known
 
-    def after_body(self, outcome: RankOutcome) -> bool:
-        outcome.stdout, outcome.stderr = _captured(self._item.config)  # for rank 0's report
+    def after_body(self, outcome: RankOutcome) -> tuple[RankOutcome, bool]:
+        out, err = _captured(self._item.config)  # for rank 0's report
+        outcome = outcome.but(stdout=out, stderr=err)
         left = (
             self._spec.launch
             and dist.is_initialized()
@@ -250,7 +251,7 @@ class LaunchedBody:
         )
         if left:
             self._session.drop_group()
-        return left
+        return outcome, left
 
     def children_before(self) -> set[int]:
         return self._children

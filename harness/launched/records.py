@@ -21,7 +21,7 @@ from rankwise import testing as wire
 
 from harness.common.outcome import Ending, RankOutcome, RankWarning
 
-_SCHEMA = "harness.outcome/1"  # an identifier of the record, not a module path
+_SCHEMA = "harness.outcome/2"  # an identifier of the record, not a module path
 
 
 class RecordError(ValueError):
@@ -66,18 +66,18 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     fields = record.get("fields")
     if not isinstance(fields, dict):
         raise RecordError("its fields are missing")
-    outcome = RankOutcome(key, rank, 0, Ending.RETURNED)
+    read: dict[str, Any] = {}
     for field in dataclasses.fields(RankOutcome):
         if field.name in ("value_blob", "key", "rank"):
             continue
         if field.name not in fields:
             raise RecordError(f"field {field.name!r} is missing")
-        setattr(outcome, field.name, _checked(field.name, fields[field.name]))
+        read[field.name] = _checked(field.name, fields[field.name])
     if fields.get("rank") != rank or fields.get("key") != key:
         raise RecordError(f"it says it is rank {fields.get('rank')!r}'s of {fields.get('key')!r}")
     if "value" in record:
-        outcome.value_blob = pickle.dumps(_value_from(record["value"]))  # a value of our own
-    return outcome
+        read["value_blob"] = pickle.dumps(_value_from(record["value"]))  # a value of our own
+    return RankOutcome(key=key, rank=rank, **read)
 
 
 def _value_record(value: Any) -> tuple[dict[str, str] | None, str]:
@@ -115,7 +115,7 @@ _STR_FIELDS = {
     "key", "value_repr", "value_lost", "exc_type", "message", "traceback", "stack", "where",
     "stdout", "stderr", "log", "replace_after",
 }  # fmt: skip
-_BOOL_FIELDS = {"after_failure", "settles", "setup_failed"}
+_BOOL_FIELDS = {"after_failure", "setup_failed"}
 _INT_OR_NONE = {"exit_code", "signal", "origin_rank"}
 
 
@@ -139,17 +139,13 @@ def _checked(name: str, value: Any) -> Any:
     if name in ("exc_mro", "exc_classes"):
         return tuple(_strings(name, value))
     if name == "notes":
-        return _strings(name, value)
+        return tuple(_strings(name, value))
     if name == "leftovers":
         if not isinstance(value, dict):
             raise RecordError("field 'leftovers' is not an object")
         return {_typed(name, k, str): _typed(name, v, str) for k, v in value.items()}
     if name == "warnings":
-        return [_warning(w) for w in _typed(name, value, list)]
-    if name == "kept_group":
-        return None if value is None else _typed(name, value, str)
-    if name == "kept_counts":
-        return None if value is None else tuple(_ints(name, value, 2))
+        return tuple(_warning(w) for w in _typed(name, value, list))
     if name == "skipped_at":
         if value is None:
             return None
@@ -157,15 +153,6 @@ def _checked(name: str, value: Any) -> Any:
         if len(where) != 2:
             raise RecordError("field 'skipped_at' is not (file, line)")
         return (_typed(name, where[0], str), _int(name, where[1]))
-    if name == "point_to_point":
-        if value is None:
-            return None
-        sides = _typed(name, value, list)
-        if len(sides) != 2:
-            raise RecordError("field 'point_to_point' is not (sent, received)")
-        return tuple(
-            tuple(tuple(_ints(name, m, 3)) for m in _typed(name, side, list)) for side in sides
-        )
     raise RecordError(f"field {name!r} is not one the harness reads")
 
 
@@ -177,13 +164,6 @@ def _typed(name: str, value: Any, kind: type | tuple[type, ...]) -> Any:
 
 def _int(name: str, value: Any) -> int:
     return int(_typed(name, value, int))
-
-
-def _ints(name: str, value: Any, count: int) -> list[int]:
-    items = _typed(name, value, list)
-    if len(items) != count:
-        raise RecordError(f"field {name!r} has {len(items)} numbers, not {count}")
-    return [_int(name, item) for item in items]
 
 
 def _strings(name: str, value: Any) -> list[str]:

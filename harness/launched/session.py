@@ -381,20 +381,20 @@ class LaunchedSession:
         pid = records.read_int(self._store.read(f"pid/{rank}"), f"pid/{rank}", 0)
         node_lost = "" if died else self._node_lost(rank, found)
         if node_lost:  # first in time: when its node went, not when this rank noticed
+            self.fate.lose({rank: node_lost})
             went = self._store.lost_at if self._store.lost else self._store.last_sign_of_life(rank)
-            outcome = RankOutcome(key, rank, pid, Ending.LOST, message=node_lost, at=went)
-            if self._store.lost and self.nodes.node_of(rank) != self.nodes.store_node:
-                outcome.origin_rank = self.nodes.store_rank()  # alive, most likely: unheard
-            why = node_lost
-        elif died.get("signal") is not None:
-            outcome = RankOutcome(key, rank, pid, Ending.SIGNALLED, signal=died["signal"])
-        else:
-            outcome = RankOutcome(key, rank, pid, Ending.HARD_EXIT, exit_code=died.get("code"))
+            unheard = self._store.lost and self.nodes.node_of(rank) != self.nodes.store_node
+            origin = self.nodes.store_rank() if unheard else None  # alive, most likely
+            return RankOutcome(
+                key, rank, pid, Ending.LOST, message=node_lost, at=went, origin_rank=origin
+            )
         self.fate.lose({rank: why})
-        if outcome.ending is not Ending.LOST:  # a lost rank's words say it already
-            outcome.at = time.monotonic()
-            outcome.notes.append(f"rank {rank} gave no outcome: {why}")
-        return outcome
+        note = (f"rank {rank} gave no outcome: {why}",)
+        if died.get("signal") is not None:
+            ending, fields = Ending.SIGNALLED, {"signal": died["signal"]}
+        else:
+            ending, fields = Ending.HARD_EXIT, {"exit_code": died.get("code")}
+        return RankOutcome(key, rank, pid, ending, at=time.monotonic(), notes=note, **fields)
 
     def _node_lost(self, rank: int, found: Gathered) -> str:
         """What happened to `rank`'s node, where it is gone or out of reach as a whole ("":

@@ -193,9 +193,17 @@ class Watch:
 
     def hung(self, key: str, timeout_s: float, where: str, note: str = "") -> None:
         session = self._session
-        outcome = RankOutcome(key, session.rank, os.getpid(), Ending.HUNG, at=time.monotonic())
-        outcome.stack, outcome.where = _stacks(), where
-        outcome.notes.append(note or f"still running at the test's timeout ({timeout_s:g} s)")
+        note = note or f"still running at the test's timeout ({timeout_s:g} s)"
+        outcome = RankOutcome(
+            key,
+            session.rank,
+            os.getpid(),
+            Ending.HUNG,
+            at=time.monotonic(),
+            stack=_stacks(),
+            where=where,
+            notes=(note,),
+        )
         session.publish_hang(key, outcome)
         if not session.reports():
             os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job

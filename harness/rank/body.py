@@ -59,16 +59,17 @@ class Body(Protocol):
         error here is the rank's failure."""
         ...
 
-    def after_raise(self, outcome: RankOutcome) -> None:
+    def after_raise(self, outcome: RankOutcome) -> RankOutcome:
         """After the body raised (its outcome made, its frames cleared): let go of what peers
-        wait on, tear down what remains, noting on `outcome` what failed doing so."""
+        wait on, tear down what remains; `outcome` with a note of what failed doing so."""
         ...
 
-    def after_body(self, outcome: RankOutcome) -> bool:
+    def after_body(self, outcome: RankOutcome) -> tuple[RankOutcome, bool]:
         """Right after the body, before what it left is looked for: what this kind of rank
-        does then (a launched rank takes the body's captured output, and lets a group the
-        body left go). Returns whether the body left a process group of its own initialised
-        (the test's hygiene error, never the next test's group)."""
+        does then (a launched rank takes the body's captured output into the outcome, and
+        lets a group the body left go). Returns the outcome, and whether the body left a
+        process group of its own initialised (the test's hygiene error, never the next
+        test's group)."""
         ...
 
     def children_before(self) -> set[int]:
@@ -99,8 +100,8 @@ def run_body(
         faults = body.load()
         with body.around(), Injector(rank, faults).installed() as injector:
             outcome = _ending(key, rank, spec, body, injector)
-    outcome.warnings = rank_warnings.collected(log)
-    group_left = body.after_body(outcome)
+    outcome = outcome.but(warnings=rank_warnings.collected(log))
+    outcome, group_left = body.after_body(outcome)
     children = body.children_before()
     if spec.bare:
         _end_daemonic_children()
@@ -108,8 +109,8 @@ def run_body(
     reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
     raw = [f for serial, f in raw_threads.running().items() if serial not in raw_before]
     seen = replace(before, env=body.env_before(before.env))
-    outcome.leftovers = hygiene.findings(seen, spec.hygiene, group_left, left, raw, threads_until)
-    return outcome, before
+    leftovers = hygiene.findings(seen, spec.hygiene, group_left, left, raw, threads_until)
+    return outcome.but(leftovers=leftovers), before
 
 
 def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector) -> RankOutcome:
@@ -124,8 +125,7 @@ def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector)
         outcome = endings.ended_by(key, rank, exc, spec.show_locals)  # before frames clear
         endings.free_frames(exc)
         del exc
-        body.after_raise(outcome)
-        return outcome
+        return body.after_raise(outcome)
     missed = injector.unreached()
     if missed is not None:
         return endings.not_reached(key, rank, missed)

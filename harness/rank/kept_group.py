@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.common.outcome import Messages
 from harness.common.protocol import COLLECTIVES_KEPT, COUNT_SIZE, FINGERPRINT_SIZE, ISSUED_SIZE
+from harness.common.rank_state import Messages
 from harness.rank import group_release
 
 

@@ -67,11 +67,11 @@ def _function_modes() -> int:
 MODES_AT_START = _function_modes()  # as the rank came up: none, normally
 
 
-def note_modes_left(outcome: RankOutcome, before: int = MODES_AT_START) -> None:
-    """A torch function mode, autocast or a DeviceMesh the test left entered would act in
-    every later test (a mode that forced torch.allclose to True made a failing test pass):
-    it is the test's hygiene error, and the rank is replaced (popping a function mode here
-    made ranks hang)."""
+def note_modes_left(outcome: RankOutcome, before: int = MODES_AT_START) -> RankOutcome:
+    """`outcome`, with what the test left entered: a torch function mode, autocast or a
+    DeviceMesh would act in every later test (a mode that forced torch.allclose to True made
+    a failing test pass): it is the test's hygiene error, and the rank is replaced (popping a
+    function mode here made ranks hang)."""
     left = []
     modes = _function_modes() - before
     if modes > 0:
@@ -83,13 +83,12 @@ def note_modes_left(outcome: RankOutcome, before: int = MODES_AT_START) -> None:
     if meshes:
         left.append(f"a DeviceMesh entered ({meshes})")
     if not left:
-        return
+        return outcome
     what = "; left ".join(left)
-    earlier = outcome.leftovers.get(hygiene.UNDONE)
-    outcome.leftovers[hygiene.UNDONE] = (earlier + "; " if earlier else "") + (
+    finding = (
         f"left {what}; exit it (use it in a with block); the ranks are replaced for the next test"
     )
-    outcome.replace_after = f"left {what}"
+    return outcome.with_leftover(hygiene.UNDONE, finding).but(replace_after=f"left {what}")
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")

@@ -26,6 +26,7 @@ from harness.common.launch_detect import IN_RANK_WORKER
 from harness.common.outcome import Ending, RankOutcome, exit_code
 from harness.common.protocol import CURRENT_TEST, FixturePlan, RequestInfo, RunTask, decode_args
 from harness.common.pytest_internals import real_xfail
+from harness.common.rank_state import RankState
 from harness.rank import group, group_release, kept_group, lasting, loader, logs
 from harness.rank.body import run_body
 from harness.rank.fixtures import RankFixtures
@@ -33,12 +34,13 @@ from harness.rank.fixtures import RankFixtures
 endings.skip_frames_of(__file__)
 
 
-def run(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
-    """How the task ended here, and the environment it started with (None: not set yet).
-    Never raises: the harness's own set-up failing on this rank is its outcome too."""
+def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | None]:
+    """How the task ended here, what this rank holds after it (its kept group), and the
+    environment it started with (None: not set yet). Never raises: the harness's own set-up
+    failing on this rank is its outcome too."""
     started = time.monotonic()  # the pytest side's deadline for this run counts from here
     test_env: environment.Snapshot | None = None
-    kept: str | None = None
+    state = RankState()
     outcome: RankOutcome | None = None
     try:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
@@ -48,28 +50,28 @@ def run(task: RunTask) -> tuple[RankOutcome, environment.Snapshot | None]:
         outcome, before = run_body(task.key, task.rank, task.spec, WarmBody(task), started)
         hygiene.put_back_native_env(before)
         daemons = hygiene.daemons_left(before) if "threads" in task.spec.hygiene else []
-        outcome.replace_after = outcome.replace_after or lasting.why_replaced(daemons, unwaited)
+        if not outcome.replace_after:
+            outcome = outcome.but(replace_after=lasting.why_replaced(daemons, unwaited))
         kept_ok = not (outcome.leftovers or outcome.replace_after)
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
-            kept = outcome.kept_group = kept_group.keep(task.key)
-            outcome.point_to_point = kept_group.point_to_point()
-            outcome.kept_counts = kept_group.counts()
-        return outcome, test_env
+            state.kept_group = kept_group.keep(task.key)
+            state.point_to_point = kept_group.point_to_point()
+            state.kept_counts = kept_group.counts()
+        return outcome, state, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = endings.raised(
             task.key, task.rank, exc, note="while setting the rank up for the test"
-        )
-        outcome.setup_failed = isinstance(exc, group.SetUpFailed)
-        return outcome, test_env
+        ).but(setup_failed=isinstance(exc, group.SetUpFailed))
+        return outcome, state, test_env
     finally:
-        if kept is None:
+        if state.kept_group is None:
             group.teardown()
         # Groups a spawned or launched run made on its own store stay alive if something
         # holds them (a subgroup in a module's cache), and with them the port it listens on.
         own_store = task.spec.bare or task.launch_port is not None
         torn = group.tore_down_the_tests_own()
         if outcome is not None and (torn or (own_store and group_release.made_alive())):
-            outcome.settles = True
+            state.settles = True
 
 
 class WarmBody:
@@ -153,25 +155,27 @@ class WarmBody:
         self._fn, self._args, self._kwargs, self._plan = None, (), {}, None
         self._fixtures = None
 
-    def after_raise(self, outcome: RankOutcome) -> None:
+    def after_raise(self, outcome: RankOutcome) -> RankOutcome:
         """Peers blocked on this rank fail now instead of at their timeout, and so does a
         fixture's teardown waiting in a collective (it would hang until the deadline, and
         the report would show where ranks waited instead of this error)."""
         self._fn, self._args, self._kwargs, self._plan = None, (), {}, None  # the test's values
         group.teardown()
         if self._fixtures is None:
-            return
+            return outcome
         try:
             self._fixtures.close()
             end_if_a_forked_copy(None)
         except BaseException as also:  # reported with the body's error, not instead of it
             said = f"{type(also).__name__}: {endings.text_of(also)}"
-            outcome.notes.append(f"then, tearing its fixtures down: {said}")
             del also
+            return outcome.noted(f"then, tearing its fixtures down: {said}")
+        return outcome
 
-    def after_body(self, outcome: RankOutcome) -> bool:
+    def after_body(self, outcome: RankOutcome) -> tuple[RankOutcome, bool]:
         task = self._task
-        return (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
+        left = (task.launch_port is not None or task.spec.bare) and dist.is_initialized()
+        return outcome, left
 
     def children_before(self) -> set[int]:
         return set()  # a warm rank has none of its own: whatever runs below it is the test's

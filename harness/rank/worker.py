@@ -28,7 +28,7 @@ from typing import Any
 
 from harness.common import environment, hygiene, reaper
 from harness.common.faults import rankwise_points
-from harness.common.outcome import Ending, RankOutcome
+from harness.common.outcome import Ending
 from harness.common.protocol import (
     DUMP_STACKS_SIGNAL,
     WHERE_SIZE,
@@ -40,6 +40,7 @@ from harness.common.protocol import (
     Settled,
     encode_where,
 )
+from harness.common.rank_state import RankResult
 from harness.rank import (
     group,
     group_release,
@@ -70,12 +71,13 @@ def main(conn: Any, files: RankFiles) -> None:
             _settle(conn, message.payload.key, check=dropped)
             continue
         logs.empty()  # its output files the pytest side empties before sending the task
-        outcome = rank.serve(message.payload)
+        result = rank.serve(message.payload)
         task.end_if_a_forked_copy(None)  # one made in a fixture's teardown: it never reports
         _flush()
-        conn.send_bytes(pickle.dumps(Message(Kind.RESULT, outcome), pickle.HIGHEST_PROTOCOL))
-        if outcome.ending is not Ending.RETURNED or outcome.settles:
-            _settle(conn, outcome.key, check=True, strict=outcome.settles)
+        conn.send_bytes(pickle.dumps(Message(Kind.RESULT, result), pickle.HIGHEST_PROTOCOL))
+        settles = result.state.settles
+        if result.outcome.ending is not Ending.RETURNED or settles:
+            _settle(conn, result.outcome.key, check=True, strict=settles)
 
 
 def _bootstrap(files: RankFiles) -> _Rank:
@@ -110,7 +112,7 @@ class _Rank:
         self.baseline: state.Baseline | None = None
         self.serving = -1  # the rank of the task this process serves now
 
-    def serve(self, run: RunTask) -> RankOutcome:
+    def serve(self, run: RunTask) -> RankResult:
         """Run one task on this rank and undo what the test did to the process; never raises.
 
         What cannot be undone fails the test on this rank (a leftover the pytest side
@@ -120,20 +122,25 @@ class _Rank:
         measure.start(run.coverage)  # as the pytest process is measured, if it is
         saved_env = environment.snapshot()
         cuda_device = state.cuda_device()
-        outcome, test_env = task.run(run)
+        outcome, after, test_env = task.run(run)
         measure.save()  # before the result: pytest-cov may combine the files once it has it
         try:
             environment.restore(saved_env if test_env is None else test_env)
             self._restore(cuda_device)  # the default device's mode (set_default_device) too
             measure.resume()  # the restore put back the rank's own trace functions
-            lasting.note_modes_left(outcome)
+            outcome = lasting.note_modes_left(outcome)
         except Exception as exc:
-            outcome.leftovers[hygiene.UNDONE] = (
-                f"changed its process in a way the harness could not undo "
-                f"({type(exc).__name__}: {exc}); the ranks are replaced for the next test"
+            outcome = outcome.but(
+                leftovers={
+                    **outcome.leftovers,
+                    hygiene.UNDONE: (
+                        f"changed its process in a way the harness could not undo "
+                        f"({type(exc).__name__}: {exc}); the ranks are replaced for the next test"
+                    ),
+                }
             )
-            outcome.kept_group = None
-        return outcome
+            after.give_group_up()
+        return RankResult(outcome, after)
 
     def _restore(self, cuda_device: int | None) -> None:
         """Undo what the test did to this process (see state.py)."""

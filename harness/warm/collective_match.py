@@ -82,14 +82,16 @@ def blame(mismatch: Mismatch, outcomes: dict[int, RankOutcome]) -> None:
         if outcome is None:
             continue
         if outcome.ending is not Ending.RETURNED:
-            outcome.notes.insert(0, f"after that, it {outcome.describe()}")
-        outcome.ending = Ending.RAISED
-        outcome.exc_type, outcome.exc_mro = MISMATCH_TYPE, ("CollectiveMismatch", "Exception")
-        outcome.exc_classes = (MISMATCH_TYPE,)
-        outcome.message = mismatch.sentence(rank)
-        outcome.origin_rank = None
-        outcome.at = first - 1e-6  # before whatever the mismatch caused on its peers
-        outcome.kept_group = None
+            outcome = outcome.noted(f"after that, it {outcome.describe()}", first=True)
+        outcomes[rank] = outcome.but(
+            ending=Ending.RAISED,
+            exc_type=MISMATCH_TYPE,
+            exc_mro=("CollectiveMismatch", "Exception"),
+            exc_classes=(MISMATCH_TYPE,),
+            message=mismatch.sentence(rank),
+            origin_rank=None,
+            at=first - 1e-6,  # before whatever the mismatch caused on its peers
+        )
 
 
 def _described(fingerprint: str, full: bool) -> str:

@@ -22,6 +22,7 @@ from harness import measured
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
+from harness.common.rank_state import RankState
 from harness.warm import forkserver, workdir
 from harness.warm.live_output import LiveStreams
 from harness.warm.preload import PreloadPlan
@@ -149,8 +150,7 @@ class Pools:
             failed = [o.setup_failed for o in outcomes]
             if not (all(failed) or (reused and any(failed))):
                 return outcomes
-            for outcome in outcomes:
-                outcome.setup_attempts = attempt
+            outcomes = [o.but(setup_attempts=attempt) for o in outcomes]
             if deadline - time.monotonic() < MIN_SET_UP_RETRY_S:
                 break
         return outcomes
@@ -179,7 +179,7 @@ class Pools:
         self.started_pids.update(pool.pids)
         tasks, _launch_store = self._tasks(request, setup_attempt, None)
         try:
-            return pool.run(tasks, request.live, request.on_start, request.cut)
+            return pool.run(tasks, request.live, request.on_start, request.cut).outcomes
         finally:
             pool.close()
 
@@ -194,12 +194,12 @@ class Pools:
             kept[0] if kept is not None and spec.keeps_group and kept[1] == spec.timeout_s else None
         )
         tasks, _launch_store = self._tasks(request, setup_attempt, reuse)
-        outcomes = pool.run(tasks, request.live, request.on_start, request.cut)
-        kept_ids = {o.kept_group for o in outcomes}
-        in_step = _same_counts(outcomes) and _messages_all_received(outcomes)
+        end = pool.run(tasks, request.live, request.on_start, request.cut)
+        kept_ids = {state.kept_group for state in end.states}
+        in_step = _same_counts(end.states) and _messages_all_received(end.states)
         if len(kept_ids) == 1 and None not in kept_ids and in_step and not pool.broken:
             self._kept[key] = (kept_ids.pop() or "", asked_timeout_s)  # every rank kept it
-        return outcomes, reuse is not None
+        return end.outcomes, reuse is not None
 
     def _tasks(
         self, request: RunRequest, setup_attempt: int, reuse: str | None
@@ -261,24 +261,24 @@ class Pools:
                 ending()
 
 
-def _same_counts(outcomes: list[RankOutcome]) -> bool:
+def _same_counts(states: list[RankState]) -> bool:
     """Whether every rank made as many operations on the kept group, and has torch name as
     many groups (kept_group.counts): an operation some ranks skipped would be paired with
     the next test's, and a group some ranks made would shift the next test's group names."""
-    counts = {o.kept_counts for o in outcomes}
+    counts = {state.kept_counts for state in states}
     return len(counts) == 1 and None not in counts
 
 
-def _messages_all_received(outcomes: list[RankOutcome]) -> bool:
+def _messages_all_received(states: list[RankState]) -> bool:
     """Whether every point-to-point message sent on the kept group was received: what rank
     i sent to j under each tag, j received from i under it (a message left in flight would
     meet the next test)."""
     sent: dict[tuple[int, int, int], int] = {}
     received: dict[tuple[int, int, int], int] = {}
-    for o in outcomes:
-        if o.point_to_point is None:
+    for rank, state in enumerate(states):
+        if state.point_to_point is None:
             return False
-        mine_sent, mine_received = o.point_to_point
-        sent.update({(o.rank, peer, tag): n for peer, tag, n in mine_sent})
-        received.update({(peer, o.rank, tag): n for peer, tag, n in mine_received})
+        mine_sent, mine_received = state.point_to_point
+        sent.update({(rank, peer, tag): n for peer, tag, n in mine_sent})
+        received.update({(peer, rank, tag): n for peer, tag, n in mine_received})
     return sent == received

@@ -22,7 +22,6 @@ from typing import Any
 
 from harness.common import reaper
 from harness.common.errors import HarnessError
-from harness.common.outcome import RankOutcome
 from harness.common.protocol import (
     COUNT_SIZE,
     ISSUED_SIZE,
@@ -37,7 +36,7 @@ from harness.common.protocol import (
     decode_where,
 )
 from harness.warm.live_output import LiveStreams, RunOutput, tail
-from harness.warm.run_loop import Cut, RunLoop
+from harness.warm.run_loop import Cut, RunEnd, RunLoop
 from harness.warm.start_watch import CHECK_S, StartWatch
 
 _STUCK_START_HINT = {
@@ -240,9 +239,10 @@ class Pool:
         live: LiveStreams | None = None,
         on_start: Callable[[list[int]], None] | None = None,
         cut: Cut | None = None,
-    ) -> list[RankOutcome]:
-        """Run one task per rank and return every rank's outcome, in rank order; a suspect
-        rank (dead, hung, holding what the next test must not meet) closes the pool.
+    ) -> RunEnd:
+        """Run one task per rank and return how it ended: every rank's outcome and state, in
+        rank order; a suspect rank (dead, hung, holding what the next test must not meet)
+        closes the pool.
 
         `live`: echo each rank's output lines there as they come, "[rank k] ..." (-s, tee-sys).
         `on_start`: told the rank processes before the tasks go out. `cut`: the caller's
@@ -260,7 +260,7 @@ class Pool:
                 self.close()
         if end.must_close:
             self.close()  # the next test gets a fresh pool, never a suspect rank
-        return end.outcomes
+        return end
 
     def close(self) -> None:
         """Kill the ranks and whatever they started (SIGKILL to each rank's process group)."""

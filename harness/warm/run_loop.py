@@ -17,13 +17,14 @@ import pickle
 import select
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from harness.common.hygiene import UNDONE
 from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.common.protocol import DropGroup, Kind, Message, RankFiles, RunTask
+from harness.common.rank_state import RankState
 from harness.stacks import crash_stack, dump_stacks
 from harness.warm import collective_match
 from harness.warm.live_output import BOUND_POLL_S, LIVE_POLL_S, RunOutput, tail
@@ -86,10 +87,12 @@ class Cut:
 @dataclass(frozen=True)
 class RunEnd:
     """How a run ended: every rank's outcome in rank order, and whether a rank is suspect
-    (dead, hung, or holding what the next test must not meet): the pool must close."""
+    (dead, hung, or holding what the next test must not meet): the pool must close; each
+    rank's state (its kept group, for the pools to reuse or not)."""
 
     outcomes: list[RankOutcome]
     must_close: bool
+    states: list[RankState] = field(default_factory=list)
 
 
 class RunLoop:
@@ -113,6 +116,7 @@ class RunLoop:
         self.key = tasks[0].key
         self.timeout_s = tasks[0].spec.timeout_s
         self.outcomes: dict[int, RankOutcome] = {}
+        self.states: dict[int, RankState] = {}  # what each rank that answered holds after it
         self.first_failure_at: float | None = None
         # When the first rank ended in a way the test did not declare: its peers then get
         # FAILURE_GRACE_S to finish. An ending the test expects (expect(rank=0, does=...)),
@@ -157,9 +161,11 @@ class RunLoop:
         self._live.drain(final=True)
         self._name_a_mismatch()
         for slot in self.slots:
-            self.outcomes[slot.rank].stdout = self._live.report(slot.files.stdout)
-            self.outcomes[slot.rank].stderr = self._live.report(slot.files.stderr)
-            self.outcomes[slot.rank].log = tail(slot.files.log).rstrip("\n")
+            self.outcomes[slot.rank] = self.outcomes[slot.rank].but(
+                stdout=self._live.report(slot.files.stdout),
+                stderr=self._live.report(slot.files.stderr),
+                log=tail(slot.files.log).rstrip("\n"),
+            )
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
             o.ending in _NOT_REUSABLE or {"threads", UNDONE} & o.leftovers.keys() or o.replace_after
@@ -167,7 +173,11 @@ class RunLoop:
         )
         if not suspect and not self._all_stay():
             suspect = True  # a rank ends (a group it cannot drop), or never said: replaced
-        return RunEnd([self.outcomes[slot.rank] for slot in self.slots], must_close=suspect)
+        return RunEnd(
+            [self.outcomes[slot.rank] for slot in self.slots],
+            must_close=suspect,
+            states=[self.states.get(slot.rank, RankState()) for slot in self.slots],
+        )
 
     def _all_stay(self) -> bool:
         """Wait for each rank that is to settle (after a failure on it, or a dropped group)
@@ -200,7 +210,7 @@ class RunLoop:
     def _replaced(self, rank: int, why: str) -> None:
         outcome = self.outcomes.get(rank)
         if outcome is not None and not outcome.replace_after:
-            outcome.replace_after = why
+            self.outcomes[rank] = outcome.but(replace_after=why)
 
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or a run is on the
@@ -224,26 +234,30 @@ class RunLoop:
         would had they torn their group down, and no group is kept. A peer that is merely
         slow (a busy machine) has issued no such operation: it is waited for, up to the
         test's own bound."""
-        kept = [o for o in self.outcomes.values() if o.kept_group]
+        kept = self._keeping()
         if not kept or len(self.outcomes) == len(self.slots):
             return
         if self.first_failure_at is None and not self._a_peer_waits_on(kept):
             return
-        for outcome in kept:
-            self._give_group_up(outcome)
+        for rank in kept:
+            self._give_group_up(rank)
 
-    def _give_group_up(self, outcome: RankOutcome) -> None:
+    def _keeping(self) -> list[int]:
+        """The ranks that kept their group for the next test (so far)."""
+        return [rank for rank, state in self.states.items() if state.kept_group]
+
+    def _give_group_up(self, rank: int) -> None:
         """Tell a rank that kept its group to tear it down; it then says whether it stays."""
-        outcome.kept_group = None
-        slot = next(s for s in self.slots if s.rank == outcome.rank)
+        self.states[rank].give_group_up()
+        slot = next(s for s in self.slots if s.rank == rank)
         with contextlib.suppress(OSError):
             slot.conn.send(Message(Kind.DROP_GROUP, DropGroup(self.key)))
-            self._to_settle.add(outcome.rank)
+            self._to_settle.add(rank)
 
-    def _a_peer_waits_on(self, returned: list[RankOutcome]) -> bool:
-        """Whether a rank still running has issued an operation no returned rank will match,
-        or the ranks called a collective differently (one may wait for good)."""
-        done = {o.rank for o in returned}
+    def _a_peer_waits_on(self, returned: list[int]) -> bool:
+        """Whether a rank still running has issued an operation no rank of `returned` will
+        match, or the ranks called a collective differently (one may wait for good)."""
+        done = set(returned)
         if any(self._issued_past(s, done) for s in self._pending()):
             return True
         return self._mismatch() is not None
@@ -281,9 +295,11 @@ class RunLoop:
         if mismatch is None:
             return
         collective_match.blame(mismatch, self.outcomes)
-        for outcome in self.outcomes.values():
-            if outcome.kept_group:
-                self._give_group_up(outcome)
+        for rank in mismatch.odd:  # its group is never reused: the pools see it kept none
+            if rank in self.states:
+                self.states[rank].give_group_up()
+        for rank in self._keeping():
+            self._give_group_up(rank)
 
     def _pending(self) -> list[RankSlot]:
         return [s for s in self.slots if s.rank not in self.outcomes]
@@ -316,11 +332,12 @@ class RunLoop:
         except (EOFError, OSError):
             self._record_death(slot)
             return
-        outcome = message.payload
-        if message.kind is not Kind.RESULT or outcome.key != self.key:
+        if message.kind is not Kind.RESULT or message.payload.outcome.key != self.key:
             return  # a late answer to an earlier run is never credited to this one
+        outcome, state = message.payload.outcome, message.payload.state
+        self.states[outcome.rank] = state
         self._record(outcome)
-        if outcome.ending is not Ending.RETURNED or outcome.settles:
+        if outcome.ending is not Ending.RETURNED or state.settles:
             self._to_settle.add(outcome.rank)  # it checks its torn-down group, then says
 
     def _record_death(self, slot: RankSlot) -> None:
@@ -329,7 +346,7 @@ class RunLoop:
             self.key, slot.rank, slot.pid, slot.process.exitcode, time.monotonic()
         )
         if outcome.ending is Ending.SIGNALLED:
-            outcome.traceback = crash_stack(slot.files.crash)  # where it crashed, if it did
+            outcome = outcome.but(traceback=crash_stack(slot.files.crash))  # where it crashed
         self._record(outcome)
 
     def _record(self, outcome: RankOutcome) -> None:
@@ -401,8 +418,8 @@ class RunLoop:
                 stack=stacks.get(slot.rank, ""),
                 where=slot.read_where(),
                 after_failure=after_failure,
+                notes=(self._hang_note(now, after_failure, cut),),
             )
-            outcome.notes.append(self._hang_note(now, after_failure, cut))
             self.outcomes[slot.rank] = outcome
             self._unwatch(slot.rank)
 

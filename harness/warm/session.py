@@ -139,14 +139,18 @@ def import_ahead(
         else:
             item.stash[_import_output_key] = (target.module, outcomes)
         return []
-    for o in outcomes:
-        if o.ending is Ending.HUNG and not o.after_failure:
-            o.notes = [
+    return [
+        o.but(
+            notes=(
                 f"rank {o.rank} still importing {target.module} after {bound:g} s "
-                f"(--rank-import-timeout), apart from the test's own bound"
-            ]
-            o.stack = fold_importlib(o.stack)
-    return outcomes
+                f"(--rank-import-timeout), apart from the test's own bound",
+            ),
+            stack=fold_importlib(o.stack),
+        )
+        if o.ending is Ending.HUNG and not o.after_failure
+        else o
+        for o in outcomes
+    ]
 
 
 def _live_streams(config: pytest.Config) -> LiveStreams | None:

@@ -260,7 +260,7 @@ def test_a_lost_node_is_named_once_with_its_ranks_as_the_root_cause() -> None:
     not when it began), and their sections are not repeated."""
     lost = "node 1 (host n2) was lost: none of its ranks gave an outcome"
     outcomes = [
-        RankOutcome("k", 0, 100, Ending.HUNG, at=30.0, notes=["still running at the timeout"]),
+        RankOutcome("k", 0, 100, Ending.HUNG, at=30.0, notes=("still running at the timeout",)),
         RankOutcome("k", 1, 101, Ending.HUNG, at=30.0),
         RankOutcome("k", 2, 0, Ending.LOST, message=lost, at=31.0),
         RankOutcome("k", 3, 0, Ending.LOST, message=lost, at=31.0),

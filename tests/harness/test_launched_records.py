@@ -17,15 +17,26 @@ from harness.launched import records
 
 
 def _full_outcome(value: Any) -> RankOutcome:
-    outcome = RankOutcome("t3", 1, 4242, Ending.RAISED, at=12.5, value_blob=pickle.dumps(value))
-    outcome.exc_type, outcome.exc_mro = "builtins.ValueError", ("ValueError", "Exception")
-    outcome.message, outcome.traceback, outcome.exit_code = "bad", "Traceback ...", 3
-    outcome.notes = ["a note"]
-    outcome.leftovers = {"env": "changed FOO"}
-    outcome.warnings = [RankWarning("builtins.UserWarning", "careful", "t.py", 7)]
-    outcome.point_to_point = (((0, 1, 2),), ((0, 1, 2),))
-    outcome.kept_counts, outcome.skipped_at, outcome.origin_rank = (3, 1), ("t.py", 9), 0
-    return outcome
+    return RankOutcome(
+        "t3",
+        1,
+        4242,
+        Ending.RAISED,
+        at=12.5,
+        value_blob=pickle.dumps(value),
+        exc_type="builtins.ValueError",
+        exc_mro=("ValueError", "Exception"),
+        message="bad",
+        traceback="Traceback ...",
+        exit_code=3,
+        notes=("a note",),
+        leftovers={"env": "changed FOO"},
+        warnings=(RankWarning("builtins.UserWarning", "careful", "t.py", 7),),
+        skipped_at=("t.py", 9),
+        origin_rank=0,
+        replace_after="left a thread",
+        setup_attempts=2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -38,8 +49,9 @@ def test_an_outcome_travels_as_json_and_comes_back_whole(value: Any) -> None:
     got = records.decode_outcome(records.encode_outcome(sent).encode(), "t3", 1)
     for name in ("ending", "at", "pid", "exc_mro", "notes", "leftovers", "warnings"):
         assert getattr(got, name) == getattr(sent, name), name
-    assert got.point_to_point == sent.point_to_point and got.skipped_at == sent.skipped_at
-    assert got.kept_counts == (3, 1) and got.exit_code == 3 and not got.value_lost
+    assert got.skipped_at == sent.skipped_at and got.origin_rank == 0
+    assert got.replace_after == sent.replace_after and got.setup_attempts == 2
+    assert got.exit_code == 3 and not got.value_lost
     if isinstance(value, torch.Tensor):
         assert torch.equal(got.value, value)
     else:
@@ -86,7 +98,7 @@ def _record(**changes: Any) -> bytes:
         ({"ending": "exploded"}, "field 'ending' is 'exploded'"),
         ({"exit_code": "3"}, "field 'exit_code' is of type str"),
         ({"notes": [1]}, "field 'notes' is of type int"),
-        ({"point_to_point": [[[0, 1]], []]}, "field 'point_to_point' has 2 numbers, not 3"),
+        ({"skipped_at": ["t.py"]}, "field 'skipped_at' is not \\(file, line\\)"),
         ({"rank": 0}, "it says it is rank 0's"),
         ({"setup_failed": 1}, "field 'setup_failed' is of type int"),
     ],

@@ -19,6 +19,7 @@ import pytest
 
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Settled, Target
+from harness.common.rank_state import RankResult, RankState
 from harness.warm.collective_match import MISMATCH_TYPE
 from harness.warm.live_output import LiveStreams, RunOutput
 from harness.warm.run_loop import TEST_FAILURE_GRACE, Cut, RunEnd, RunLoop
@@ -73,9 +74,10 @@ class FakeSlot:
         return self.where
 
     def answer(self, ending: Ending, key: str = KEY, **fields: Any) -> None:
-        """Send this rank's result, as a worker does."""
+        """Send this rank's result, as a worker does (`kept_group`: the group it kept)."""
+        state = RankState(kept_group=fields.pop("kept_group", None))
         outcome = RankOutcome(key, self.rank, self.pid, ending, **fields)
-        self.rank_end.send(Message(Kind.RESULT, outcome))
+        self.rank_end.send(Message(Kind.RESULT, RankResult(outcome, state)))
 
     def settle(self, leaving: bool = False, key: str = KEY) -> None:
         self.rank_end.send(Message(Kind.SETTLED, Settled(key, leaving)))
@@ -147,7 +149,7 @@ def test_a_hang_dumps_every_stuck_ranks_stack_and_closes_the_pool(slots: Any) ->
     assert [o.ending for o in end.outcomes] == [Ending.HUNG, Ending.RETURNED, Ending.HUNG]
     assert dumps.asked == [[0, 2]]
     assert end.outcomes[2].stack == "stack of rank 2"
-    assert end.outcomes[0].notes == ["still running at the 0.3 s timeout; killed"]
+    assert end.outcomes[0].notes == ("still running at the 0.3 s timeout; killed",)
     assert not end.outcomes[0].after_failure
     assert end.must_close
 
@@ -198,7 +200,7 @@ def test_a_peer_not_waiting_on_the_failed_rank_ends_on_its_own_after_the_grace(
     end = _run(ranks, timeout_s=1.0)
     peer = end.outcomes[1]
     assert peer.ending is Ending.HUNG and not peer.after_failure
-    assert peer.notes == ["still running at the 1 s timeout; killed"]
+    assert peer.notes == ("still running at the 1 s timeout; killed",)
 
 
 def test_an_expected_failure_leaves_the_peers_their_whole_bound(slots: Any) -> None:
@@ -271,7 +273,7 @@ def test_returned_ranks_give_the_kept_group_up_when_a_peer_issued_more(slots: An
     end = _run(ranks, timeout_s=30.0)
     thread.join()
     assert len(told) == 2 and told[1].kind is Kind.DROP_GROUP and told[1].payload.key == KEY
-    assert end.outcomes[0].kept_group is None
+    assert end.states[0].kept_group is None
     assert [o.ending for o in end.outcomes] == [Ending.RETURNED, Ending.RAISED]
     assert not end.must_close
 
@@ -289,7 +291,7 @@ def test_a_slow_peer_that_issued_nothing_more_is_waited_for(slots: Any) -> None:
     thread.start()
     end = _run(ranks)
     thread.join()
-    assert [o.kept_group for o in end.outcomes] == ["g1", "g1"]
+    assert [state.kept_group for state in end.states] == ["g1", "g1"]
     assert not end.must_close
 
 
