@@ -47,10 +47,8 @@ def ended_by(
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
             said = text_of(exc.code)
-        where = user_traceback(exc, show_locals)  # where it was called
-        outcome = ended(
-            key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said, traceback=where
-        )
+        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said)
+        outcome = outcome.but(traceback=user_traceback(exc, show_locals))  # where it was called
     elif (ending := _pytest_outcome(exc)) is not None:
         message = text_of(getattr(exc, "msg", exc))
         at = _raised_at(exc) if ending is Ending.SKIPPED else None

@@ -52,7 +52,7 @@ def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -
 def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
         session.set_own_group_aside()  # the test sets its own up, from torchrun's environment
-    elif not (found := session.agree_on_group(key, ARRIVE_S, spec.fresh_group)).complete:
+    elif not (found := session.agree_on_group(key, ARRIVE_S, spec.fresh_group)).has_every_value:
         raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
             f"({found.absent_text()}); the test body never ran",
@@ -80,7 +80,7 @@ def agree_on_set_up(
         for r, blob in enumerate(found.values)
     }
     failed = {r: s for r, s in by_rank.items() if s}
-    if not found.complete:
+    if not found.has_every_value:
         absent = found.absent_text()
         session.fate.lose(found.absent)
         session.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)

@@ -17,8 +17,14 @@ class Gathered:
 
     @property
     def complete(self) -> bool:
-        """Every rank gave its value."""
+        """No rank is absent. (With the launch's store lost every value is None, this rank's
+        own too, which is not counted absent: see `has_every_value`.)"""
         return not self.absent
+
+    @property
+    def has_every_value(self) -> bool:
+        """Every rank's value is here, this rank's own included."""
+        return all(value is not None for value in self.values)
 
     def why(self, rank: int, otherwise: str = "gone") -> str:
         return self.absent.get(rank, otherwise)

@@ -265,11 +265,11 @@ class LaunchedSession:
     def agree_on_group(self, key: str, seconds: float, fresh: bool) -> Gathered:
         """Every rank on the session's live group for run `key`: if any rank lacks it (a test
         destroyed it or replaced it, a plain test set it aside) or `fresh` is asked, every
-        rank sets a new one up, under this run's keys. Not complete when a rank did not come
-        (then no group is set up)."""
+        rank sets a new one up, under this run's keys. Without every rank's value when a rank
+        did not come (then no group is set up)."""
         need = "1" if fresh or not self.has_group() else "0"
         found = self.gather(f"{key}/group", need, seconds)
-        if not found.complete:
+        if not found.has_every_value:
             return found
         if any(flag == b"1" for flag in found.values):
             self.drop_group()

@@ -41,6 +41,7 @@ def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | N
     started = time.monotonic()  # the pytest side's deadline for this run counts from here
     test_env: environment.Snapshot | None = None
     state = RankState()
+    kept: str | None = None
     outcome: RankOutcome | None = None
     try:
         test_env = _apply_environment(task)  # mostly already so: going back costs nothing
@@ -54,9 +55,9 @@ def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | N
             outcome = outcome.but(replace_after=lasting.why_replaced(daemons, unwaited))
         kept_ok = not (outcome.leftovers or outcome.replace_after)
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
-            state.kept_group = kept_group.keep(task.key)
-            state.point_to_point = kept_group.point_to_point()
-            state.kept_counts = kept_group.counts()
+            kept = kept_group.keep(task.key)
+            messages, counts = kept_group.point_to_point(), kept_group.counts()
+            state.kept_group, state.point_to_point, state.kept_counts = kept, messages, counts
         return outcome, state, test_env
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = endings.raised(
@@ -64,7 +65,7 @@ def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | N
         ).but(setup_failed=isinstance(exc, group.SetUpFailed))
         return outcome, state, test_env
     finally:
-        if state.kept_group is None:
+        if kept is None:
             group.teardown()
         # Groups a spawned or launched run made on its own store stay alive if something
         # holds them (a subgroup in a module's cache), and with them the port it listens on.
