@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -35,6 +35,7 @@ from harness.warm import session as warm
 # or environment left behind is normal (the worker resets both), but a thread or process that
 # keeps running would meet the next test.
 ADOPTED_HYGIENE = frozenset({"threads", "processes"})
+_T = TypeVar("_T")
 
 
 class Adopter:
@@ -174,9 +175,15 @@ _timeout_key = pytest.StashKey[float]()  # an adopted test's bound for its ranks
 
 
 def _summary(config: pytest.Config) -> _Summary:
-    if _summary_key not in config.stash:
-        config.stash[_summary_key] = _Summary()
-    return config.stash[_summary_key]
+    return session_state(config, _summary_key, _Summary)
+
+
+def session_state(config: pytest.Config, key: pytest.StashKey[_T], make: Callable[[], _T]) -> _T:
+    """What an adopter keeps for the session under `key` in the config's stash (made on first
+    use, gone with the session)."""
+    if key not in config.stash:
+        config.stash[key] = make()
+    return config.stash[key]
 
 
 # ---- hooks: each handed to the adopters asked for -------------------------------------------

@@ -73,9 +73,7 @@ _session_key = pytest.StashKey[_Session]()
 
 
 def _session(config: pytest.Config) -> _Session:
-    if _session_key not in config.stash:
-        config.stash[_session_key] = _Session()
-    return config.stash[_session_key]
+    return adopt.session_state(config, _session_key, _Session)
 
 
 class DeepSpeedAdopter(adopt.Adopter):

@@ -74,9 +74,7 @@ _classes_key = pytest.StashKey[_Classes]()
 
 
 def _classes(config: pytest.Config) -> _Classes:
-    if _classes_key not in config.stash:
-        config.stash[_classes_key] = _Classes()
-    return config.stash[_classes_key]
+    return adopt.session_state(config, _classes_key, _Classes)
 
 
 class TorchAdopter(adopt.Adopter):

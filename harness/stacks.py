@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 from harness.common import reaper
+from harness.common.outcome import fold_runs
 from harness.common.protocol import DUMP_STACKS_SIGNAL
 
 STACK_DUMP_WAIT_S = 3.0
@@ -193,16 +194,4 @@ _IMPORTLIB = re.compile(r'  File "<frozen importlib\._bootstrap(_external)?>"')
 
 def fold_importlib(text: str) -> str:
     """A stack dump with each run of importlib's own frames folded into one line."""
-    lines: list[str] = []
-    folded = 0
-    for line in text.splitlines():
-        if _IMPORTLIB.match(line):
-            folded += 1
-            continue
-        if folded:
-            lines.append(f"  [{folded} importlib frame(s)]")
-            folded = 0
-        lines.append(line)
-    if folded:
-        lines.append(f"  [{folded} importlib frame(s)]")
-    return "\n".join(lines)
+    return "\n".join(fold_runs(text.splitlines(), _IMPORTLIB, "  [{} importlib frame(s)]"))

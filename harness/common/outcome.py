@@ -439,23 +439,30 @@ def _lost_alike(o: RankOutcome, root: RankOutcome | None) -> bool:
     )
 
 
+def fold_runs(lines: list[str], pattern: re.Pattern[str], said: str) -> list[str]:
+    """`lines` with each run of lines that `pattern` matches replaced by one line, `said`
+    formatted with the run's length."""
+    folded: list[str] = []
+    run = 0
+    for line in lines:
+        if pattern.match(line):
+            run += 1
+            continue
+        if run:
+            folded.append(said.format(run))
+            run = 0
+        folded.append(line)
+    if run:
+        folded.append(said.format(run))
+    return folded
+
+
 def without_cpp_frames(text: str) -> str:
     """`text` with each C++ backtrace c10 appends to its errors and warnings ("Exception
     raised from ... (most recent call first):" and its "frame #N: ..." lines) cut to one
     line: they say nothing a test's author can act on, and run to 60 lines each."""
-    lines: list[str] = []
-    frames = 0
-    for line in text.splitlines(keepends=True):
-        if _CPP_FRAME.match(line):
-            frames += 1
-            continue
-        if frames:
-            lines.append(f"[{frames} C++ frames omitted]\n")
-            frames = 0
-        if not _CPP_RAISED.match(line):
-            lines.append(line)
-    if frames:
-        lines.append(f"[{frames} C++ frames omitted]\n")
+    kept = [line for line in text.splitlines(keepends=True) if not _CPP_RAISED.match(line)]
+    lines = fold_runs(kept, _CPP_FRAME, "[{} C++ frames omitted]\n")
     return "".join(lines)
 
 
