@@ -22,18 +22,25 @@ if TYPE_CHECKING:
     from harness.adopt import Adopter
     from harness.kept_pool import RankPool, RankPoolError
     from harness.simulate import ThreadedWorldError
+    from harness.simulation.collective_log import CollectiveLog, CollectiveRecord
+    from harness.simulation.fake_world import FakeWorld
+    from harness.simulation.threaded_world import ThreadRank
     from harness.spawning import spawn
 
 __all__ = [
     "Adopter",
+    "CollectiveLog",
+    "CollectiveRecord",
     "Ending",
     "Expected",
+    "FakeWorld",
     "Fault",
     "RankOutcome",
     "RankPool",
     "RankPoolError",
     "RankRunner",
     "RanksReplacedWarning",
+    "ThreadRank",
     "ThreadedWorldError",
     "WorldOutcome",
     "aborts",
@@ -54,6 +61,10 @@ __all__ = [
 _LAZY = {
     "Adopter": "harness.adopt",
     "ThreadedWorldError": "harness.simulate",
+    "CollectiveLog": "harness.simulation.collective_log",
+    "CollectiveRecord": "harness.simulation.collective_log",
+    "FakeWorld": "harness.simulation.fake_world",
+    "ThreadRank": "harness.simulation.threaded_world",
     "RankPool": "harness.kept_pool",
     "RankPoolError": "harness.kept_pool",
     "spawn": "harness.spawning",

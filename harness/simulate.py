@@ -1,51 +1,71 @@
 """Simulation fixtures: one process, no ranks. Each says what it cannot simulate.
 
 - ``launch_env``: torchrun's environment, restored after the test.
-- ``fake_world``: a process group of any size (torch's "fake" backend), for plans and rank
-  arithmetic at thousands of ranks.
-- ``threaded_world``: threads as ranks (torch's "threaded" backend), for fast logic tests.
+- ``fake_world``: one rank of a world of any size (torch's "fake" backend), with its mesh,
+  nodes and a record of its collectives, for plans and shapes at thousands of ranks.
+- ``threaded_world``: threads as ranks over a process group of the harness's own, for fast
+  logic tests that move real data.
 
-torch is imported only when a fixture is used.
+torch is imported only when a fixture is used; the worlds live in ``harness.simulation``.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.common.outcome import Ending, exit_code
+from harness.common.faults import Fault
 from harness.common.torchrun_env import torchrun_env
+from harness.simulation import fake_world as fake
+from harness.simulation.threaded_world import ThreadedWorldError, ThreadRank, run_threaded
+
+__all__ = ["FakeWorlds", "ThreadRank", "ThreadedWorldError", "fake_world", "launch_env"]
 
 
-@pytest.fixture
-def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]:
+class LaunchEnv:
     """``launch_env(world_size=8, rank=3)``: this process now looks like rank 3 of a launch.
 
-    Sets every variable torchrun sets for its workers (``harness.common.torchrun_env.VARIABLES``:
-    WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), before any process group
-    exists, and restores them after the test.
-    Cannot simulate: the rendezvous (nothing listens on MASTER_PORT, so setting a group up
-    from this environment fails) and the peers themselves.
+    Sets every variable torchrun sets for its workers (``harness.common.torchrun_env``'s,
+    and the per-worker ones: ``TORCHELASTIC_ERROR_FILE`` under the test's tmp_path,
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``OMP_NUM_THREADS`` where a node runs several
+    ranks and it is unset), before any process group exists; all restored after the test.
+    Cannot simulate: the rendezvous (nothing listens on MASTER_PORT) and the peers.
     """
 
-    def set_up(
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        self._monkeypatch = monkeypatch
+        self._tmp_path = tmp_path
+        self.asked: dict[str, str] = {}  # what the test's own latest call set
+
+    def __call__(
+        self,
         world_size: int = 2,
         rank: int = 0,
         local_world_size: int | None = None,
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
     ) -> dict[str, str]:
+        self.asked = self.apply(world_size, rank, local_world_size, master_addr, master_port)
+        return self.asked
+
+    def apply(
+        self,
+        world_size: int,
+        rank: int,
+        local_world_size: int | None = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ) -> dict[str, str]:
+        """Set the variables (for the test, or for fake_world's rank) and return them."""
         local = local_world_size or world_size
         for name, value in (("world_size", world_size), ("local_world_size", local)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"launch_env: {name} must be an int >= 1; got {value!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"launch_env: rank must be in 0..{world_size - 1}; got {rank!r}")
         if world_size % local:
             raise ValueError(
@@ -58,188 +78,125 @@ def launch_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., dict[str, str]]
             master_port=master_port,
             local_world_size=local,
         )
+        env.update(self._per_worker(rank, local))
         for variable, text in env.items():
-            monkeypatch.setenv(variable, text)
+            self._monkeypatch.setenv(variable, text)
         return env
 
-    return set_up
+    def _per_worker(self, rank: int, local: int) -> dict[str, str]:
+        """What torchrun's agent adds for each worker process."""
+        error_file = self._tmp_path / "torchelastic" / f"rank{rank}" / "error.json"
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        extra = {
+            "TORCHELASTIC_ERROR_FILE": str(error_file),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": _environ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+        if local > 1:
+            extra["OMP_NUM_THREADS"] = _environ("OMP_NUM_THREADS", "1")
+        return extra
+
+
+def _environ(name: str, default: str) -> str:
+    return os.environ.get(name, default)
 
 
 @pytest.fixture
-def fake_world() -> Iterator[Callable[..., Any]]:
-    """``fake_world(world_size=4096, rank=0)``: a live default group of any size, in-process.
+def launch_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> LaunchEnv:
+    """``launch_env(world_size=8, rank=3)``: torchrun's environment for rank 3 of 8 (see
+    LaunchEnv), restored after the test."""
+    return LaunchEnv(monkeypatch, tmp_path)
 
-    Queries (rank, world size, new_group, the group's ranks) behave as in a real world of that
-    size, so plans and rank arithmetic can be tested at scale. The group is destroyed after
-    the test. Cannot simulate: data movement (collectives return at once and leave tensors
-    as they were), other ranks' views, failures and hangs.
+
+class FakeWorlds:
+    """``fake_world(world_size, rank=0, *, local_world_size=, mesh=, mesh_dim_names=)``.
+
+    Sets up this process as `rank` of a fake world and returns its FakeWorld: the default
+    group, the mesh (``init_device_mesh`` with named dimensions) when `mesh` gives its sizes,
+    node and local rank, and ``record()`` for the collectives issued. The whole torchrun
+    environment of that rank is set too (``launch_env``'s); sizes and rank the call leaves
+    out come from what ``launch_env`` set earlier in the test (and must agree with it).
+    ``sweep(...)`` yields the same world as each of many ranks in turn. Cannot simulate:
+    data movement (torch's fake collectives return at once; rankwise's labelled ones raise
+    NotSimulatedError where their result needs the other ranks' data), other ranks' views,
+    failures and hangs.
     """
-    import torch.distributed as dist
 
-    owned: list[bool] = []
+    def __init__(self, env: LaunchEnv) -> None:
+        self._env = env
 
-    def set_up(world_size: int, rank: int = 0) -> Any:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+    def __call__(
+        self,
+        world_size: int | None = None,
+        rank: int | None = None,
+        *,
+        local_world_size: int | None = None,
+        mesh: Sequence[int] | None = None,
+        mesh_dim_names: Sequence[str] | None = None,
+        device_type: str = "cpu",
+    ) -> fake.FakeWorld:
+        asked = self._env.asked
+        shape = fake.shape_of(world_size, local_world_size, mesh, mesh_dim_names, asked)
+        return self._start(shape, fake.rank_of(shape, rank, asked), device_type)
 
-        if dist.is_initialized():
-            raise RuntimeError("fake_world: a process group is already set up in this process")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"fake_world: world_size must be an int >= 1; got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"fake_world: rank must be in 0..{world_size - 1}; got {rank!r}")
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        owned.append(True)
-        return dist.group.WORLD
+    def sweep(
+        self,
+        world_size: int | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
+        sample: int | None = None,
+        seed: int = 0,
+        local_world_size: int | None = None,
+        mesh: Sequence[int] | None = None,
+        mesh_dim_names: Sequence[str] | None = None,
+        device_type: str = "cpu",
+    ) -> Iterator[fake.FakeWorld]:
+        """The same world as each rank in `ranks` (default every rank; `sample=k` picks k,
+        the first and last among them) in turn; each torn down before the next starts."""
+        asked = self._env.asked
+        shape = fake.shape_of(world_size, local_world_size, mesh, mesh_dim_names, asked)
+        for at in fake.swept_ranks(shape.world_size, ranks, sample, seed):
+            world = self._start(shape, at, device_type)
+            try:
+                yield world
+            finally:
+                fake.stop()
 
-    yield set_up
-    if owned and dist.is_initialized():
-        dist.destroy_process_group()
+    def _start(self, shape: fake.Shape, rank: int, device_type: str) -> fake.FakeWorld:
+        env = self._env.apply(shape.world_size, rank, shape.local_world_size)
+        return fake.start(shape, rank, env, device_type)
 
 
-@dataclass
-class ThreadRank:
-    """How one thread-rank ended."""
-
-    rank: int
-    ending: Ending
-    value: Any = None
-    error: BaseException | None = None
-    exit_code: int | None = None
-    collateral: bool = False  # woken from a collective because another rank failed
-
-
-class ThreadedWorldError(AssertionError):
-    """A thread-rank did not return: raised, called sys.exit, or hung."""
+@pytest.fixture
+def fake_world(launch_env: LaunchEnv) -> Iterator[FakeWorlds]:
+    """One rank of a world of any size, in-process (see FakeWorlds); torn down after."""
+    yield FakeWorlds(launch_env)
+    fake.stop()
 
 
 @pytest.fixture
 def threaded_world() -> Callable[..., list[Any]]:
-    """``threaded_world(fn, world_size=4, timeout=30)``: run ``fn(rank)`` on thread-ranks.
+    """``threaded_world(fn, world_size=4, timeout=30, faults=())``: ``fn(rank)`` on
+    thread-ranks, every rank's value returned in rank order.
 
-    Each thread joins a "threaded" process group; collectives really move data between the
-    threads. Returns every rank's value; if any rank raised, called sys.exit (which a
-    thread would otherwise swallow) or hung, raises ThreadedWorldError naming each rank.
+    Each thread joins a process group of the harness's own: collectives and send/recv move
+    real data between the threads (rankwise's gathers too), and ranks that meet in different
+    collectives raise. If any rank raised, called sys.exit (which a thread would otherwise
+    swallow) or hung, raises ThreadedWorldError: the origin first (the rank rankwise's
+    errors name, else the first to fail), the ranks woken by its failure as collateral, every
+    rank's record in ``.ranks``. ``faults`` are Fault objects fired per thread-rank at named
+    points (raise, exit, hang, delay). A skip on every rank skips the test.
     Cannot simulate: NCCL or CUDA collectives, separate processes (module state, the RNG and
-    the environment are shared by all ranks: torch.manual_seed on one rank seeds them all),
-    crashes or signals, and a hung thread cannot be killed (it is left as a daemon, and a
-    later call waits up to its timeout for it to end, else raises naming it).
+    the environment are shared by all ranks), crashes or signals; a thread-rank hung in its
+    own code cannot be killed (it is left as a daemon, and a later call waits up to its
+    timeout for it to end, else raises naming it).
     """
 
-    def run(fn: Callable[[int], Any], world_size: int = 4, timeout: float = 30.0) -> list[Any]:
-        return _run_threaded(fn, world_size, timeout)
+    def run(
+        fn: Callable[[int], Any],
+        world_size: int = 4,
+        timeout: float = 30.0,
+        faults: Sequence[Fault] = (),
+    ) -> list[Any]:
+        return run_threaded(fn, world_size, timeout, faults)
 
     return run
-
-
-def _run_threaded(fn: Callable[[int], Any], world_size: int, timeout: float) -> list[Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed import multi_threaded_pg
-
-    # torch's private threaded-backend helpers, untyped: reach them through Any.
-    threaded: Any = multi_threaded_pg
-    ProcessLocalGroup = threaded.ProcessLocalGroup
-
-    if dist.is_initialized():
-        raise RuntimeError("threaded_world: a process group is already set up in this process")
-    _wait_for_stale_ranks(timeout)
-    ProcessLocalGroup.reset()  # a stale rank that ended may have flagged its old world's end
-    world = threaded._install_threaded_pg()
-    c10d: Any = torch._C._distributed_c10d
-    c10d._set_thread_isolation_mode(True)  # each thread-rank registers its own group names
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    ends: dict[int, ThreadRank] = {}
-
-    def rank_main(rank: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-            ends[rank] = ThreadRank(rank, Ending.RETURNED, value=fn(rank))
-        except SystemExit as exc:
-            if exc.code == _WOKEN_BY_PEER:  # torch ends a waiting peer so when a rank fails
-                ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc, collateral=True)
-                return
-            ends[rank] = ThreadRank(rank, Ending.EXITED, error=exc, exit_code=exit_code(exc))
-            ProcessLocalGroup.exception_handle(exc)  # wake the peers waiting on this rank
-        except BaseException as exc:
-            ends[rank] = ThreadRank(rank, Ending.RAISED, error=exc)
-            ProcessLocalGroup.exception_handle(exc)
-        finally:
-            if dist.distributed_c10d._world is world and dist.is_initialized():
-                dist.destroy_process_group()
-
-    threads = [
-        threading.Thread(target=rank_main, args=(r,), name=f"thread-rank{r}", daemon=True)
-        for r in range(world_size)
-    ]
-    try:
-        for thread in threads:
-            thread.start()
-        _join_all(threads, time.monotonic() + timeout)
-        if any(thread.is_alive() for thread in threads):
-            # Wake the thread-ranks waiting in a collective on a hung one: they end as
-            # collateral; those hung in their own code stay, and a later call waits for them.
-            ProcessLocalGroup.exception_handle(TimeoutError("a thread-rank hung"))
-            _join_all(threads, time.monotonic() + WAKE_S)
-    finally:
-        c10d._set_thread_isolation_mode(False)
-        threaded._uninstall_threaded_pg()
-        ProcessLocalGroup.reset()
-    origin = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] or "an earlier call"
-    _stale.extend((r, thread, origin) for r, thread in enumerate(threads) if thread.is_alive())
-    for rank in range(world_size):
-        ends.setdefault(rank, ThreadRank(rank, Ending.HUNG))
-    _raise_unless_all_returned([ends[r] for r in range(world_size)], timeout)
-    return [ends[r].value for r in range(world_size)]
-
-
-_WOKEN_BY_PEER = "Test termination event occurs."
-WAKE_S = 1.0  # how long thread-ranks woken after a hang get to end
-# Thread-ranks a call gave up on that were still running (rank, thread, the test that made
-# them): a thread cannot be killed, and one that went on into a collective would take part in
-# a later call's world.
-_stale: list[tuple[int, threading.Thread, str]] = []
-
-
-def _join_all(threads: list[threading.Thread], deadline: float) -> None:
-    """Join every thread by one deadline (not the bound once per thread)."""
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _wait_for_stale_ranks(timeout: float) -> None:
-    """Start a world only once every stale thread-rank has ended, waiting up to `timeout`;
-    else raise, naming them and the test that left them."""
-    _join_all([thread for _, thread, _ in _stale], time.monotonic() + timeout)
-    _stale[:] = [entry for entry in _stale if entry[1].is_alive()]
-    if _stale:
-        ranks = ", ".join(f"thread-rank {rank} of {origin}" for rank, _, origin in _stale)
-        raise RuntimeError(
-            f"threaded_world: {ranks} still running {timeout:g} s into this call; a thread "
-            f"cannot be killed, and it would take part in this world's collectives: end the "
-            f"hang in that test (this call starts once it has ended)"
-        )
-
-
-def _raise_unless_all_returned(ends: list[ThreadRank], timeout: float) -> None:
-    bad = [end for end in ends if end.ending is not Ending.RETURNED]
-    if not bad:
-        return
-    parts = []
-    woken = [end.rank for end in bad if end.collateral]
-    bad = [end for end in bad if not end.collateral] or bad
-    for end in bad:
-        if end.ending is Ending.EXITED:
-            parts.append(f"rank {end.rank} called sys.exit({end.exit_code})")
-        elif end.ending is Ending.RAISED:
-            parts.append(f"rank {end.rank} raised {type(end.error).__name__}: {end.error}")
-        else:
-            parts.append(f"rank {end.rank} hung (still running after {timeout:g} s)")
-    if woken and len(bad) < len(ends):
-        parts.append(
-            f"{'rank' if len(woken) == 1 else 'ranks'} {', '.join(map(str, woken))} collateral"
-        )
-    error = ThreadedWorldError("threaded_world: " + "; ".join(parts))
-    first = next((end.error for end in bad if end.error is not None), None)
-    if first is not None:
-        raise error from first
-    raise error

@@ -40,6 +40,10 @@ class FaultError(SpecError):
     """A fault declaration that cannot be carried out; says where it came from."""
 
 
+class FaultHangEnded(BaseException):
+    """Ends a thread-rank's injected hang once its world has given up on it."""
+
+
 class FaultNotReached(Exception):
     """A rank returned without passing the point one of its faults waits for."""
 
@@ -168,6 +172,9 @@ class Injector:
     passes: dict[str, int] = field(default_factory=dict)  # by every name a fault may use
     seen: dict[str, int] = field(default_factory=dict)  # by the name a report shows
     fired: set[int] = field(default_factory=set)  # indexes into faults
+    # What ends a "hang" (a thread-rank's, which cannot be killed); None: nothing does.
+    release: threading.Event | None = None
+    hung: bool = False  # a "hang" fault fired here
 
     def at_start(self) -> None:
         self._passed(START, START, START)
@@ -185,7 +192,8 @@ class Injector:
         for index, fault in enumerate(self.faults):
             if fault.at in (full, label) and self.passes[fault.at] == fault.nth:
                 self.fired.add(index)
-                _fire(fault, self.rank, full)
+                self.hung = self.hung or fault.kind == "hang"
+                _fire(fault, self.rank, full, self.release)
 
     def unreached(self) -> FaultNotReached | None:
         """The error for this rank's faults that never fired (a misspelt point, too few passes)."""
@@ -218,6 +226,27 @@ class Injector:
 
 
 _active: Injector | None = None
+# A thread-rank's injector (threaded_world): points passed on that thread fire its faults.
+_on_this_thread = threading.local()
+
+
+@contextlib.contextmanager
+def on_this_thread(injector: Injector) -> Iterator[Injector]:
+    """Fire `injector`'s faults at the points this thread passes (a thread-rank's)."""
+    _on_this_thread.injector = injector
+    try:
+        yield injector
+    finally:
+        _on_this_thread.injector = None
+
+
+def thread_observer(phase: str, kind: str, label: str) -> None:
+    """A rankwise point observer for thread-ranks: the passing thread's injector's."""
+    injector = getattr(_on_this_thread, "injector", None)
+    if injector is not None:
+        injector.observe(phase, kind, label)
+
+
 # Told, before a fault ends this process, what the fault was: a rank torchrun launched has
 # no pool to see how it died, so it leaves word in the launch's store.
 before_fatal: Callable[[str, int | None, int | None], None] | None = None  # text, signal, code
@@ -228,8 +257,9 @@ def fault_point(name: str) -> None:
 
     Costs one check when no fault is armed; does nothing outside a harness rank.
     """
-    if _active is not None:
-        _active._passed(f"point:{name}", name, name)
+    active = getattr(_on_this_thread, "injector", None) or _active
+    if active is not None:
+        active._passed(f"point:{name}", name, name)
 
 
 def rankwise_points() -> Any:
@@ -260,7 +290,7 @@ def _rebuilt(exc: Any) -> Any:
     return pickle.loads(pickle.dumps(exc))
 
 
-def _fire(fault: Fault, rank: int, where: str) -> None:
+def _fire(fault: Fault, rank: int, where: str, release: threading.Event | None = None) -> None:
     message = f"fault injected by the harness on rank {rank} at {where}"
     if fault.kind == "raise":
         exc = fault.exc if fault.exc is not None else RuntimeError
@@ -287,5 +317,6 @@ def _fire(fault: Fault, rank: int, where: str) -> None:
         threading.Event().wait(5)  # a handled or slow signal: give it time to land
         return
     if fault.kind == "hang":
-        threading.Event().wait()  # until the harness's deadline kills the rank
+        (release or threading.Event()).wait()  # until the harness's deadline kills the rank
+        raise FaultHangEnded(f"{message}: hung until the world ended")
     time.sleep(float(fault.seconds))  # delay: a straggler, then carry on

@@ -24,11 +24,11 @@ import operator
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from rankwise import _error_file, _points, _transport, _wire
+from rankwise import _error_file, _fake, _points, _transport, _wire
 from rankwise._launch import is_initialized, launch_world_size, rank, size
 
 _V = TypeVar("_V")
@@ -46,10 +46,23 @@ _STATUSES = ("ok", "error", "exit")
 _FIELDS = 7  # kind, key, status, length, root, chunk, code: int64 each
 # The fields packed and unpacked in plain Python: cheaper than building tensors for 56 bytes.
 _LAYOUT = struct.Struct(f"<{_FIELDS}q")
-# The header's fixed size. A value that fits in the rest rides in the header itself, so a
-# small all_reduce or broadcast_from moves in the header exchange alone.
-HEADER_BYTES = 4096
-INLINE_BYTES = HEADER_BYTES - _LAYOUT.size
+# The header's size. A value that fits in the rest rides in the header itself, so a small
+# all_reduce or broadcast_from moves in the header exchange alone. Every rank receives every
+# rank's header, so in a large group the header shrinks (a larger value takes a second
+# exchange): each rank's share of the exchange stays near 128 KiB up to 512 ranks.
+HEADER_BYTES = 4096  # also the size of the words exchanged when something is wrong
+SMALLEST_HEADER = 256
+_EXCHANGE_BYTES = 128 * 1024
+
+
+def header_bytes(members: int) -> int:
+    """The header's size in a group of `members` ranks (the same on every member)."""
+    return max(SMALLEST_HEADER, min(HEADER_BYTES, _EXCHANGE_BYTES // max(1, members)))
+
+
+def inline_bytes(members: int) -> int:
+    """How large a value rides in the header itself, in a group of `members` ranks."""
+    return header_bytes(members) - _LAYOUT.size
 
 
 def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _V]) -> _V:
@@ -70,6 +83,8 @@ def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _
         if refused is not None:
             raise refused
         return combine([fn()])
+    if _fake.on_fake_world():  # no peer waits there: its own bad label raised at once
+        raise refused or _fake.not_simulated(call.text, rank(), None, "the values")
     if refused is not None:  # in the exchange all the same, so the peers raise too
         fn = _raising(refused)
     return combine(gather_values(call, fn, None))
@@ -102,7 +117,9 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
             entry, error, payload = run_fn(call, fn, held)
         else:
             entry, error, payload = Entry(), None, b""
-        headers = exchange(call, replace(entry, root=as_header_int(src)), None, payload)
+        if _fake.on_fake_world():
+            return _on_fake_world(call, error, payload, src)  # type: ignore[no-any-return]
+        headers = exchange(call, entry._replace(root=as_header_int(src)), None, payload)
         if any(kind != _KINDS[call.kind] for kind in headers.kinds):  # before any failure:
             leave_out_of_step(headers, error)  # a peer in another collective has left it
         _raise_for_refusals(headers, error, src)
@@ -115,6 +132,16 @@ def broadcast_from(label: str, fn: Callable[[], _V], src: int = 0) -> _V:
     _raise_for_receiver(headers, src)
     held.raise_if_any()  # a fault injected on a receiver: after the value moved, alone
     return load(data, f"{call.text}: src rank {src}'s value")  # type: ignore[no-any-return]
+
+
+def _on_fake_world(call: Call, error: BaseException | None, payload: bytes, src: int) -> Any:
+    """broadcast_from where no data moves: `src` gets its own value back as every rank
+    does (a copy loaded from its bytes); another rank cannot know it."""
+    if error is not None:
+        raise error
+    if rank() != src:
+        raise _fake.not_simulated(call.text, rank(), None, f"the value of src rank {src}, one")
+    return load(payload, f"{call.text}: src rank {src}'s value")
 
 
 # ---- the core ------------------------------------------------------------------------------
@@ -140,9 +167,9 @@ class Call:
         return int.from_bytes(digest, "little", signed=True)
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One rank's fixed-size header: what it contributes to the first exchange."""
+class Entry(NamedTuple):
+    """One rank's fixed-size header: what it contributes to the first exchange (a tuple:
+    every rank builds one per member at every exchange, so it must be cheap to make)."""
 
     status: str = "ok"
     length: int = 0  # the bytes this rank sends next
@@ -188,14 +215,15 @@ def exchange(call: Call, mine: Entry, group: Any, payload: bytes = b"") -> Heade
     takes the second exchange or none does.
     """
     members = _members(group)
+    size = header_bytes(len(members))
     with peers_answering(call):
-        raw = _transport.all_gather_block(_header(call, mine, payload), group)
+        raw = _transport.all_gather_block(_header(call, mine, payload, size), group)
     headers = _parse(call, members, raw)
     if headers.agreed:
         return headers
     with peers_answering(call):
         said = _exchange_words(call.text, mine.error, group)
-    entries = [replace(e, error=w["error"]) for e, w in zip(headers.entries, said, strict=True)]
+    entries = [e._replace(error=w["error"]) for e, w in zip(headers.entries, said, strict=True)]
     return replace(headers, entries=entries, texts=[w["call"] for w in said])
 
 
@@ -245,31 +273,33 @@ def _words(text: str, error: str) -> bytes:
             call = call[: len(call) // 2] + "..."
 
 
-def _header(call: Call, mine: Entry, payload: bytes) -> bytearray:
-    """This rank's header: the fields, then the payload when it fits, zero-padded."""
-    block = bytearray(HEADER_BYTES)
+def _header(call: Call, mine: Entry, payload: bytes, size: int) -> bytearray:
+    """This rank's header of `size` bytes: the fields, then the payload when it fits,
+    zero-padded."""
+    block = bytearray(size)
     fields = (_KINDS[call.kind], call.key, _STATUSES.index(mine.status), mine.length)
     _LAYOUT.pack_into(block, 0, *fields, mine.root, mine.chunk, mine.code)
-    if payload and _fits(mine):
+    if payload and _fits(mine, size):
         block[_LAYOUT.size : _LAYOUT.size + len(payload)] = payload
     return block
 
 
 def _parse(call: Call, members: list[int], raw: bytes) -> Headers:
     """Every member's header from the gathered bytes, in group order."""
-    fields = [_LAYOUT.unpack_from(raw, i * HEADER_BYTES) for i in range(len(members))]
+    size = len(raw) // len(members)
+    fields = [_LAYOUT.unpack_from(raw, i * size) for i in range(len(members))]
     entries = [Entry(_STATUSES[s], n, r, c, x) for _, _, s, n, r, c, x in fields]
-    starts = [i * HEADER_BYTES + _LAYOUT.size for i in range(len(members))]
+    starts = [i * size + _LAYOUT.size for i in range(len(members))]
     inline = [
-        raw[start : start + e.length] if _fits(e) else None
+        raw[start : start + e.length] if _fits(e, size) else None
         for start, e in zip(starts, entries, strict=True)
     ]
     kinds, keys = [f[0] for f in fields], [f[1] for f in fields]
     return Headers(call, members, kinds, keys, entries, [], inline)
 
 
-def _fits(entry: Entry) -> bool:
-    return entry.status == "ok" and entry.length <= INLINE_BYTES
+def _fits(entry: Entry, header_size: int) -> bool:
+    return entry.status == "ok" and entry.length <= header_size - _LAYOUT.size
 
 
 def out_of_step(headers: Headers) -> RuntimeError:
@@ -389,10 +419,13 @@ def gather_values(call: Call, fn: Callable[[], Any], group: Any) -> list[Any]:
             sizes = [e.length for e in headers.entries]
             with peers_answering(call):
                 blobs = _transport.all_gather_known(payload, sizes, group)
-    return [
-        load(blob, f"{call.text}: rank {member}'s value")
-        for member, blob in zip(headers.members, blobs, strict=True)
-    ]
+    try:  # each member's words are made only for a value that fails to load
+        return _wire.decode_many(blobs)
+    except Exception:
+        return [
+            load(blob, f"{call.text}: rank {member}'s value")
+            for member, blob in zip(headers.members, blobs, strict=True)
+        ]
 
 
 def run_fn(

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from rankwise import _fake
 from rankwise._collectives import Call, gather_values, single_process
 from rankwise._launch import is_initialized
 
@@ -98,6 +99,8 @@ def _members_values(obj: Any, group: DistributedProcessGroup) -> list[Any]:
     call = Call("get_dist_syncd_obj", "", "get_dist_syncd_obj")
     if single_process(call.text, group.group):
         return [obj]
+    if _fake.on_fake_world(group.group):
+        raise _fake.not_simulated(call.text, dist.get_rank(), group.group, "the objects")
     return gather_values(call, lambda: obj, group.group)
 
 

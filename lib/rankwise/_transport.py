@@ -49,18 +49,18 @@ def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
 
     On gloo as an all-to-all of `block` repeated once per rank: each rank sends straight to
     every other in one round, where gloo's all_gather is a ring (one round per rank) and a
-    gather then a broadcast takes two. Elsewhere one all_gather.
+    gather then a broadcast takes two. Elsewhere (NCCL, in-process backends) one all_gather.
     """
     count = dist.get_world_size(group)
     device = exchange_device(group)
     out = torch.empty(count * len(block), dtype=torch.uint8, device=device)
-    if device.type == "cpu":
+    if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         repeated = bytearray(block) * count  # in Python: cheaper than a tensor's repeat()
         with link():
             dist.all_to_all_single(out, torch.frombuffer(repeated, dtype=torch.uint8), group=group)
     else:
-        mine = torch.frombuffer(bytearray(block), dtype=torch.uint8).to(device)
-        all_gather_single(out, mine, group)
+        mine = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+        all_gather_single(out, mine if device.type == "cpu" else mine.to(device), group)
     return host_bytes(out)
 
 
@@ -119,9 +119,11 @@ def host_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def to_bytes(tensor: torch.Tensor, length: int) -> bytes:
-    out = bytearray(length)
-    copy_out(tensor, length, out)
-    return bytes(out)
+    """The first `length` bytes of a uint8 tensor: one copy from host memory into bytes."""
+    if length <= 0:
+        return b""
+    host = tensor[:length].contiguous().cpu()
+    return ctypes.string_at(host.data_ptr(), length)
 
 
 def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:

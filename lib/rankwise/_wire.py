@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import pickle
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -308,12 +309,25 @@ def refusal(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(k.strip() for k in kept) or 'refused'}"
 
 
+def decode_many(blobs: list[bytes]) -> list[Any]:
+    """`decode` of each blob, in order. Where every one is a JSON number, bool or null (a
+    large group's all_reduce of counts decodes one per member), all are read in one parse:
+    such a token holds no comma or bracket, so joined with commas each stays one value."""
+    if blobs and all(_SCALAR.fullmatch(blob) for blob in blobs):
+        values = json.loads(b"[" + b",".join(blob[1:] for blob in blobs) + b"]")
+        return values  # type: ignore[no-any-return]
+    return [decode(blob) for blob in blobs]
+
+
+_SCALAR = re.compile(rb"J(-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null|NaN|-?Infinity)")
+
+
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Load bytes made by `encode`: JSON, or weights_only with every tensor on the CPU (and
     the containers carried as data rebuilt: WireError for a record no encoder wrote)."""
     tag = bytes(data[:1])
-    if tag == _JSON:
-        return json.loads(bytes(data[1:]))
+    if tag == _JSON:  # encode wrote UTF-8: decoded as that, not sniffed as json.loads does
+        return json.loads(bytes(data[1:]).decode("utf-8", "surrogatepass"))
     if tag != CARRIED:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     with _loading(carried=True):

@@ -6,14 +6,18 @@ import harness
 
 HARNESS_NAMES = [
     "Adopter",
+    "CollectiveLog",
+    "CollectiveRecord",
     "Ending",
     "Expected",
+    "FakeWorld",
     "Fault",
     "RankOutcome",
     "RankPool",
     "RankPoolError",
     "RankRunner",
     "RanksReplacedWarning",
+    "ThreadRank",
     "ThreadedWorldError",
     "WorldOutcome",
     "aborts",
