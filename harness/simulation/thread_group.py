@@ -146,6 +146,14 @@ class ThreadGroup(_ProcessGroup):  # type: ignore[misc]
     def size(self) -> int:
         return self._size
 
+    @property
+    def group_name(self) -> str:  # c10d names a Python group only through this property
+        return self._name
+
+    @property
+    def pg_name(self) -> str:
+        return self._name
+
     def getBackendName(self) -> str:
         return BACKEND
 

@@ -313,13 +313,18 @@ def decode_many(blobs: list[bytes]) -> list[Any]:
     """`decode` of each blob, in order. Where every one is a JSON number, bool or null (a
     large group's all_reduce of counts decodes one per member), all are read in one parse:
     such a token holds no comma or bracket, so joined with commas each stays one value."""
-    if blobs and all(_SCALAR.fullmatch(blob) for blob in blobs):
+    joined = b"\n".join(blobs) + b"\n"
+    if blobs and joined.count(b"\n") == len(blobs) and _SCALARS.fullmatch(joined):
         values = json.loads(b"[" + b",".join(blob[1:] for blob in blobs) + b"]")
         return values  # type: ignore[no-any-return]
     return [decode(blob) for blob in blobs]
 
 
-_SCALAR = re.compile(rb"J(-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null|NaN|-?Infinity)")
+# Blobs joined by newlines, each one JSON scalar (a blob holding a newline is caught by the
+# count, and then each is decoded on its own).
+_SCALARS = re.compile(
+    rb"(?:J(?:-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null|NaN|-?Infinity)\n)+"
+)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:

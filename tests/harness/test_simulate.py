@@ -423,3 +423,44 @@ def test_rankwise_all_reduce_scales_on_thread_ranks(threaded_world: Any) -> None
     """128 thread-ranks: the header exchange shrinks with the group (no n-squared 4 KiB)."""
     results = threaded_world(lambda rank: rw.all_reduce("n", lambda: rank, sum), 128, 120)
     assert results == [sum(range(128))] * 128
+
+
+def _dtensor_and_fsdp2(rank: int) -> tuple[Any, ...]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    spread = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():  # the same model on every rank (thread-ranks share one RNG)
+        for parameter in model.parameters():
+            parameter.fill_(0.1)
+    for layer in model:
+        fully_shard(layer, mesh=mesh["dp"])
+    model(torch.ones(3, 4) * (rank + 1)).sum().backward()
+    grad = model[0].weight.grad.full_tensor()  # type: ignore[union-attr]
+    return spread.to_local().tolist(), spread.full_tensor().sum().item(), grad.sum().item()
+
+
+def test_thread_ranks_run_dtensor_and_fsdp2(threaded_world: Any) -> None:
+    results = threaded_world(_dtensor_and_fsdp2, world_size=4, timeout=60)
+    assert [r[0] for r in results] == [[[0.0, 1.0], [2.0, 3.0]]] * 2 + [
+        [[4.0, 5.0], [6.0, 7.0]]
+    ] * 2
+    assert all(r[1] == 28.0 for r in results)
+    # inputs scaled by rank + 1, gradients averaged over each dp group ([0, 2] and [1, 3])
+    grads = [r[2] for r in results]
+    assert grads[0] == pytest.approx(grads[2]) and grads[1] == pytest.approx(grads[3])
+    assert grads[1] / grads[0] == pytest.approx((2 + 4) / (1 + 3))
+
+
+def _tensor_sums(rank: int) -> list[float]:
+    # 1.6 KB a value: past the header's room in a group of 128, so a second exchange
+    values = rw.all_reduce("t", lambda: torch.full((3,), float(rank)), list)
+    return [float(v[0]) for v in values]
+
+
+def test_values_larger_than_a_large_group_s_header_still_travel(threaded_world: Any) -> None:
+    results = threaded_world(_tensor_sums, 128, 120)
+    assert results == [[float(r) for r in range(128)]] * 128

@@ -201,3 +201,35 @@ def test_get_dist_syncd_obj_carries_what_modelopts_search_syncs(rank: int, world
         assert type(theirs["candidate_stats"]) is collections.defaultdict
         assert theirs["candidate_stats"][f"rank{r}"]["score"] == r
         assert _same(theirs["recipe"], mine["recipe"])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, -3, 2.5e-07, True, None, 0],
+        [float("nan"), float("-inf"), float("inf")],
+        [1, "a,b", [1, 2], {"k": None}],  # not all scalars: each decoded on its own
+        [7],
+    ],
+)
+def test_decoding_many_is_decoding_each(values: list[Any]) -> None:
+    blobs = [_wire.encode(v, "x") for v in values]
+    got = _wire.decode_many(blobs)
+    expected = [_wire.decode(b) for b in blobs]
+    assert repr(got) == repr(expected)  # nan compares unequal to itself; its repr does not
+
+
+@pytest.mark.parametrize(
+    "blobs",
+    [
+        [b"J1\nJ2", b"J3"],  # two values in one blob: caught, not read as three
+        [b"J1,2", b"J3"],
+        [b"J[1", b"J2]"],
+        [b"J", b"J1"],
+    ],
+)
+def test_decoding_many_refuses_what_decoding_each_refuses(blobs: list[bytes]) -> None:
+    with pytest.raises(ValueError):
+        _wire.decode(blobs[0])
+    with pytest.raises(ValueError):
+        _wire.decode_many(blobs)
