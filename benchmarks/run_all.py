@@ -18,6 +18,7 @@ from benchmarks import (
     preload,
     private_store,
     signing,
+    simulation,
     suite,
     wire,
 )
@@ -78,6 +79,9 @@ def main() -> int:
     _write(lines)
     print("measuring launched ranks (torchrun, one agent per node) against warm ranks...")
     lines += cluster.main()
+    _write(lines)
+    print("measuring simulated worlds against torch's tools...", flush=True)
+    lines += simulation.main()
     _write(lines)
     print("measuring rank starts with the tests' imports preloaded...", flush=True)
     lines += ["", "## Ranks started with the tests' imports loaded", "", *preload.main()]
