@@ -42,7 +42,9 @@ class Snapshot:
 THREAD_END_WAIT_S = 5.0
 # What is kept of the test's bound for the rank to report after that wait.
 REPORT_MARGIN_S = 1.0
-HARNESS_THREADS = "harness-"  # the harness's own threads' names start so: never the test's
+# The harness's own threads' names start so, and rankwise's peer watch (a thread of the
+# group's life, ended with it): never the test's.
+HARNESS_THREADS = ("harness-", "rankwise-peer-watch")
 
 
 def before_test() -> Snapshot:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from rankwise import _error_file, _fake, _points, _transport, _wire
+from rankwise import _error_file, _fake, _points, _transport, _watch, _wire
 from rankwise._launch import is_initialized, launch_world_size, rank, size
 
 _V = TypeVar("_V")
@@ -237,15 +237,37 @@ def peers_answering(call: Call) -> Iterator[None]:
     Every rank is leaving: an enclosing collective's fn lets it through."""
     try:
         yield
+    except _watch.PeersLost as exc:  # silent past the watch's bound
+        text = f"{call.text} on rank {rank()}: {exc}; it never finished"
+        raise _peers_lost(text, exc.lost, in_flight=True) from None
     except _transport.LinkError as exc:  # the backend's failure; a local error stays as it is
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise _leaving(
-            RuntimeError(
-                f"{call.text} on rank {rank()}: moving data with its peers failed ({reason}): "
-                f"a peer died, hung or never reached this collective; see that rank's own "
-                f"error or output"
-            )
+        watch = _watch.current()
+        named = watch.explain_link_failure(str(exc)) if watch is not None else None
+        if named is not None:
+            words, lost = named
+            text = f"{call.text} on rank {rank()}: moving data with its peers failed: {words}"
+            raise _peers_lost(f"{text} ({reason})", lost, in_flight=False) from exc
+        raise _peers_lost(
+            f"{call.text} on rank {rank()}: moving data with its peers failed ({reason}): "
+            f"a peer died, hung or never reached this collective; see that rank's own "
+            f"error or output",
+            (),
+            in_flight=False,
         ) from exc
+
+
+def _peers_lost(message: str, lost: tuple[int, ...], in_flight: bool) -> BaseException:
+    """The error every survivor raises for peers that died or went silent: it names them
+    (and its origin is the one rank, where one was lost), torchrun's error file says so,
+    and the process can end without waiting on the lost peers at exit."""
+    error = RuntimeError(message)
+    watch = _watch.current()
+    if watch is not None:
+        watch.leaving()  # so that a later survivor does not name this rank among the lost
+    _error_file.note_peers_lost(error, in_flight)
+    left = _leaving(error)
+    return _from(lost[0], left) if len(lost) == 1 else left
 
 
 def _exchange_words(text: str, error: str, group: Any) -> list[dict[str, str]]:

@@ -59,6 +59,22 @@ def note_own_failure(error: BaseException) -> None:
         _hook_uncaught()
 
 
+_PEERS_LOST = "_rankwise_peers_lost"
+
+
+def note_peers_lost(error: BaseException, in_flight: bool) -> None:
+    """`error` names peers that died or went silent: write it as this rank's entry now (it
+    is what happened, whichever rank the launcher lists). With a collective still `in_flight`
+    on silent peers, an error that ends the process ends it without waiting: gloo's teardown
+    would wait for them for its whole timeout."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, _PEERS_LOST, in_flight)
+    if path() is not None:
+        callstack = f"{_describe(error)}\n(no traceback: a peer was lost, not this rank's code)"
+        write_entry(_describe(error), callstack, int(time.time()) - EARLIER_S)
+    _hook_uncaught(always=in_flight)
+
+
 def note_collateral(error: BaseException) -> None:
     """`error` names a peer's failure: if it leaves the process, say so in one line."""
     if path() is not None:
@@ -75,7 +91,7 @@ def leaving(error: BaseException, this_rank: int) -> None:
 
 def write_for(error: BaseException, this_rank: int) -> None:
     """The entry for a rank leaving the run with `error`: its own, or collateral."""
-    if path() is None:
+    if path() is None or hasattr(error, _PEERS_LOST):  # that one was written already
         return
     if is_collateral(error, this_rank):
         write_entry(
@@ -119,19 +135,28 @@ def write_entry(message: str, callstack: str, timestamp: int) -> bool:
     return True
 
 
-def _hook_uncaught() -> None:
-    """Install, once, the hook that writes the entry of an error that ends the process."""
+def _hook_uncaught(always: bool = False) -> None:
+    """Install, once, the hook that writes the entry of an error that ends the process (on
+    a launch, or `always`), and ends a process whose peers were lost without waiting."""
     if getattr(sys.excepthook, "_rankwise", False):
+        return
+    if path() is None and not always:
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         this_rank = _rank_of_launch()
-        write_for(error, this_rank)
+        if not hasattr(error, _PEERS_LOST):
+            write_for(error, this_rank)  # a lost peer's entry was written when it was found
         if is_collateral(error, this_rank) and not full_tracebacks():
             print(one_line(error, f"rankwise: rank {this_rank} exits"), file=sys.stderr, flush=True)
-            return
-        previous(kind, error, tb)
+        else:
+            previous(kind, error, tb)
+        if getattr(error, _PEERS_LOST, False):
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1)  # gloo's teardown would wait for the lost peers for its timeout
 
     hook._rankwise = True  # type: ignore[attr-defined]
     sys.excepthook = hook

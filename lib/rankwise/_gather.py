@@ -221,7 +221,8 @@ def _receive_in_place(
         for offset in range(0, len(data), chunk_bytes):
             piece = data[offset : offset + chunk_bytes]
             with _transport.link():
-                dist.send(_transport.readonly_tensor(piece), dst=dst, group=group)
+                sent = dist.isend(_transport.readonly_tensor(piece), dst=dst, group=group)
+                _transport.settle(sent)
         return None
     out = [bytearray(n) for n in lengths]
     for offset in range(0, max(lengths, default=0), chunk_bytes):
@@ -236,7 +237,7 @@ def _receive_in_place(
         for work in waits:
             if work is not None:
                 with _transport.link():
-                    work.wait()
+                    _transport.settle(work)
     return out
 
 
@@ -261,11 +262,12 @@ def _gather_through_device(
         send = _transport.send_buffer(data[offset : offset + width], width, device)
         if out is None:
             with _transport.link():
-                dist.gather(send, None, dst=dst, group=group)
+                _transport.settle(dist.gather(send, None, dst=dst, group=group, async_op=True))
             continue
         slots = [_transport.receive_buffer(target, offset, width, device) for target in out]
         with _transport.link():
-            dist.gather(send, [slot for slot, _ in slots], dst=dst, group=group)
+            into = [slot for slot, _ in slots]
+            _transport.settle(dist.gather(send, into, dst=dst, group=group, async_op=True))
         for target, (slot, in_place), length in zip(out, slots, lengths, strict=True):
             if not in_place:
                 _transport.copy_out(slot, max(0, min(width, length - offset)), target, offset)

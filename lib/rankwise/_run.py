@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from rankwise import _error_file, _points
+from rankwise import _error_file, _points, _transport, _watch
 from rankwise._launch import (
     is_initialized,
     launch_rank,
@@ -116,6 +116,7 @@ def distributed_run(
             stacklevel=3,
         )
     state = _LiveState(rank=rank(), world_size=size(), device=state_device)
+    _watch.current()  # on a launch, this rank's heartbeat starts with the run
     try:
         _points.passed("distributed_run", "enter")  # a fault injected here acts as the body's
         yield state
@@ -216,7 +217,19 @@ def _wait_for_every_rank(exiting: SystemExit | None) -> None:
     or, for a rank exiting, that its peers did not exit with it."""
     where = f"rank {rank()} of {size()}"
     try:
-        dist.barrier()
+        _transport.settle(dist.barrier(async_op=True))  # through the peer watch on a launch
+    except _watch.PeersLost as exc:  # the group cannot be destroyed: it would wait for them
+        error = RuntimeError(
+            f"distributed_run: {where} finished its run, but waiting for every rank at the "
+            f"run's end found {exc}; the process must end"
+        )
+        if len(exc.lost) == 1:
+            error.origin_rank = exc.lost[0]  # type: ignore[attr-defined]
+        watch = _watch.current()
+        if watch is not None:
+            watch.leaving()
+        _error_file.note_peers_lost(error, in_flight=True)
+        raise error from None
     except RuntimeError as exc:
         dist.destroy_process_group()
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rankwise import _watch
+from rankwise._watch import PeersLost
+
 # all_gather_into_tensor's new name (torch 2.13 deprecates the old one); older builds, such
 # as a GPU machine's own CUDA torch, have only the old.
 _all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -32,16 +35,23 @@ def link() -> Iterator[None]:
     a timeout) becomes a LinkError, which callers word as the peers' failure."""
     try:
         yield
-    except LinkError:
+    except (LinkError, PeersLost):
         raise
     except RuntimeError as exc:
         raise LinkError(str(exc)) from exc
 
 
+def settle(work: Any) -> None:
+    """Wait for an async collective's `work`; on a launch, through the peer watch, which
+    raises PeersLost for peers silent past its bound instead of waiting the group out."""
+    if work is not None:
+        _watch.wait(work)
+
+
 def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's equal-sized `tensor`, concatenated into `output`, in group order."""
     with link():
-        _all_gather_single(output, tensor, group=group)
+        settle(_all_gather_single(output, tensor, group=group, async_op=True))
 
 
 def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
@@ -56,8 +66,9 @@ def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
     out = torch.empty(count * len(block), dtype=torch.uint8, device=device)
     if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         repeated = bytearray(block) * count  # in Python: cheaper than a tensor's repeat()
+        mine = torch.frombuffer(repeated, dtype=torch.uint8)
         with link():
-            dist.all_to_all_single(out, torch.frombuffer(repeated, dtype=torch.uint8), group=group)
+            settle(dist.all_to_all_single(out, mine, group=group, async_op=True))
     else:
         mine = torch.frombuffer(bytearray(block), dtype=torch.uint8)
         all_gather_single(out, mine if device.type == "cpu" else mine.to(device), group)
@@ -133,13 +144,13 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(count)]
     with link():
-        dist.all_gather(lengths, length, group=group)
+        settle(dist.all_gather(lengths, length, group=group, async_op=True))
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     mine = send_buffer(memoryview(data), longest, device)
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(count)]
     with link():
-        dist.all_gather(gathered, mine, group=group)
+        settle(dist.all_gather(gathered, mine, group=group, async_op=True))
     return [to_bytes(t, n) for t, n in zip(gathered, sizes, strict=False)]
 
 
@@ -148,7 +159,7 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
     device = exchange_device(group)
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
     with link():
-        dist.broadcast(length, src, group=group)
+        settle(dist.broadcast(length, src, group=group, async_op=True))
     size = int(length.item())
     if data is not None:
         buffer = send_buffer(memoryview(data), size, device)
@@ -156,7 +167,7 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
         with link():
-            dist.broadcast(buffer, src, group=group)
+            settle(dist.broadcast(buffer, src, group=group, async_op=True))
     return data if data is not None else to_bytes(buffer, size)
 
 
@@ -179,10 +190,11 @@ def broadcast_known(data: bytes | None, size: int, src: int, group: Any = None) 
         return b""
     device = exchange_device(group)
     if data is not None:
+        sent = send_buffer(memoryview(data), size, device)
         with link():
-            dist.broadcast(send_buffer(memoryview(data), size, device), src, group=group)
+            settle(dist.broadcast(sent, src, group=group, async_op=True))
         return data
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     with link():
-        dist.broadcast(buffer, src, group=group)
+        settle(dist.broadcast(buffer, src, group=group, async_op=True))
     return to_bytes(buffer, size)

@@ -1,0 +1,186 @@
+"""Production code under torchrun (not pytest) losing a node: two torchrun agents on this
+machine as two nodes of 2 ranks, a gloo group, `rw.all_reduce` plus a plain `dist.all_reduce`
+every step. One node is frozen (SIGSTOP) or killed mid-loop, rank 0's or the other: every
+surviving rank ends within the watch's bound plus a grace, naming the lost ranks on its
+stderr and in torchrun's error file. And a rank that is only slow is never called lost."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness.conftest import assert_all_gone, kill_quietly
+
+BOUND_S = 5  # RANKWISE_PEER_TIMEOUT in these runs (60 by default)
+GRACE_S = 30  # a slice, a beat, and two busy cores
+START_BOUND_S = 240  # two agents starting 4 workers that import torch, on 2 cores
+
+LOOP = """
+import os, time
+import torch, torch.distributed as dist
+import rankwise as rw
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+step = 0
+while True:
+    rw.all_reduce("step", lambda: step, sum)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    step += 1
+    if step == 20:
+        with open(os.path.join(os.environ["MARKS"], f"ready-{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(0.01)
+"""
+
+SLOW = """
+import os, time
+import torch.distributed as dist
+import rankwise as rw
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+assert rw.all_reduce("start", lambda: rank, sum) == 1
+if rank == 1:
+    deadline = time.monotonic() + 4 * float(os.environ["RANKWISE_PEER_TIMEOUT"])
+    while time.monotonic() < deadline:  # a long computation holding the GIL, in Python
+        sum(range(1000))
+assert rw.all_reduce("after", lambda: rank, sum) == 1
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def _port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _agents(tmp: Path, script: Path, nodes: int, per_node: int) -> list[subprocess.Popen[str]]:
+    port = _port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
+    env.update({"MARKS": str(tmp), "OMP_NUM_THREADS": "1", "RANKWISE_PEER_TIMEOUT": str(BOUND_S)})
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+             f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=watch",
+             f"--log-dir={tmp / f'logs-{i}'}", "-r", "3", str(script)],
+            cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True,
+        )
+        for i in range(nodes)
+    ]  # fmt: skip
+
+
+def _end(agents: list[subprocess.Popen[str]], pids: list[int]) -> None:
+    """Kill whatever is left (a frozen node's agent and workers too) and reap the agents."""
+    for agent in agents:
+        with contextlib.suppress(OSError):
+            os.killpg(agent.pid, signal.SIGKILL)
+    kill_quietly(pids)
+    for agent in agents:
+        agent.wait(timeout=60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _said(logs: Path, rank: int) -> tuple[str, str]:
+    """A worker's stderr and its error file's message (torchrun's per-rank log dirs)."""
+    stderr = error = ""
+    for directory in logs.glob("*/attempt_0/*"):
+        log = (directory / "stderr.log").read_text(errors="replace")
+        if f"[rank{rank}]" in log or f"rank {rank}:" in log:
+            stderr = log
+            if (directory / "error.json").exists():
+                error = json.loads((directory / "error.json").read_text())["message"]["message"]
+    return stderr, error
+
+
+def _named(text: str) -> set[int]:
+    """The ranks a rankwise message names as lost ("ranks 2, 3 (host ...)")."""
+    found = re.findall(r"ranks? ([\d, ]+) \((?:host|rank 0's node)", text)
+    found += re.findall(r"rank 0's node \(host [^,]+, ranks ([\d, ]+)\)", text)
+    return {int(r) for group in found for r in group.replace(" ", "").split(",") if r}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+@pytest.mark.parametrize("victim", ["other", "rank0"], ids=["the other node", "rank 0's node"])
+def test_every_survivor_names_the_lost_node_within_the_bound(
+    tmp_path: Path, fault: str, victim: str
+) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    agents = _agents(tmp_path, script, nodes=2, per_node=2)
+    everything: list[int] = []
+    try:
+        deadline = time.monotonic() + START_BOUND_S
+        while len(list(tmp_path.glob("ready-*"))) < 4:
+            assert time.monotonic() < deadline, "the ranks never got going"
+            assert all(a.poll() is None for a in agents), "an agent ended before the fault"
+            time.sleep(0.1)
+        pids = {int(p.name[6:]): int(p.read_text()) for p in tmp_path.glob("ready-*")}
+        node_of = {r: _parent(pid) for r, pid in pids.items()}
+        lost_agent = (
+            node_of[0] if victim == "rank0" else next(a.pid for a in agents if a.pid != node_of[0])
+        )
+        lost = sorted(r for r in pids if node_of[r] == lost_agent)
+        survivors = sorted(r for r in pids if r not in lost)
+        everything = [a.pid for a in agents] + list(pids.values())
+        started = time.monotonic()
+        for pid in [lost_agent] + [pids[r] for r in lost]:
+            os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
+        while any(_alive(pids[r]) for r in survivors):
+            assert time.monotonic() - started < BOUND_S + GRACE_S, (
+                f"survivors {survivors} still running {BOUND_S + GRACE_S} s after the fault"
+            )
+            time.sleep(0.2)
+    finally:
+        _end(agents, everything)
+    logs = [tmp_path / "logs-0", tmp_path / "logs-1"]
+    for rank in survivors:
+        stderr, error = next(
+            (said for said in (_said(log, rank) for log in logs) if said[0]), ("", "")
+        )
+        for text in (stderr, error):
+            named = _named(text)
+            assert named and named <= set(lost), (rank, lost, text[-3000:], stderr[-3000:])
+        if fault == "freeze" and victim == "other":
+            assert "silent for" in error, error
+    assert_all_gone(everything, timeout=60)
+
+
+@pytest.mark.slow
+def test_a_rank_that_is_only_slow_is_never_lost(tmp_path: Path) -> None:
+    """Rank 1 computes for 4x the bound (in Python, holding the GIL) between two labelled
+    collectives while rank 0 waits in the second: its watch thread keeps counting."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW)
+    (agent,) = _agents(tmp_path, script, nodes=1, per_node=2)
+    try:
+        assert agent.wait(timeout=START_BOUND_S + 4 * BOUND_S) == 0
+    finally:
+        _end([agent], [])
+    out = "".join(p.read_text() for p in (tmp_path / "logs-0").rglob("stdout.log"))
+    assert "rank 0 done" in out and "rank 1 done" in out
