@@ -14,6 +14,7 @@ from benchmarks import (
     coverage_cost,
     first_test,
     harness_overhead,
+    peer_watch,
     plots,
     preload,
     private_store,
@@ -79,6 +80,9 @@ def main() -> int:
     _write(lines)
     print("measuring launched ranks (torchrun, one agent per node) against warm ranks...")
     lines += cluster.main()
+    _write(lines)
+    print("measuring the peer watch's cost per collective...", flush=True)
+    lines += peer_watch.main()
     _write(lines)
     print("measuring simulated worlds against torch's tools...", flush=True)
     lines += simulation.main()

@@ -39,6 +39,10 @@ _PEER_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 #   File ".../distributed_c10d.py", line 5356 in barrier
 # (or of the functional collectives DeviceMesh and DTensor wait in: wait_tensor)
 _C10D_FRAME = re.compile(r'(?:distributed_c10d|_functional_collectives)\.py", line \d+ in (\w+)')
+# rankwise waiting for an async collective's work (on a launch, through its peer watch).
+_RANKWISE_WAIT_FRAME = re.compile(
+    r'rankwise/_(?:watch|transport)\.py", line \d+ in (?:wait|settle)'
+)
 # A traceback's line for the same frame: File ".../distributed_c10d.py", line 5356, in barrier
 _C10D_TRACEBACK_FRAME = re.compile(
     r'(?:distributed_c10d|_functional_collectives)\.py", line \d+, in (\w+)'
@@ -172,9 +176,11 @@ class RankOutcome:
 
     @property
     def before_exchange(self) -> bool:
-        """A hung rank inside a labelled collective but not waiting in torch.distributed:
-        still in its own `fn` (or in a fault injected at the label), so its peers wait on it."""
-        return bool(self.where) and bool(self.stack) and not _C10D_FRAME.search(self.stack)
+        """A hung rank inside a labelled collective but not waiting in torch.distributed (nor
+        in rankwise's wait for an async collective, under its peer watch): still in its own
+        `fn` (or in a fault injected at the label), so its peers wait on it."""
+        waiting = _C10D_FRAME.search(self.stack) or _RANKWISE_WAIT_FRAME.search(self.stack)
+        return bool(self.where) and bool(self.stack) and not waiting
 
     @property
     def looks_collateral(self) -> bool:

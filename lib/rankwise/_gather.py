@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rankwise import _fake, _points, _transport, _wire
+from rankwise import _fake, _points, _transport, _watch, _wire
 from rankwise._collectives import (
     Call,
     Entry,
@@ -220,9 +220,12 @@ def _receive_in_place(
     if me != dst:
         for offset in range(0, len(data), chunk_bytes):
             piece = data[offset : offset + chunk_bytes]
+            sent = _transport.readonly_tensor(piece)
             with _transport.link():
-                sent = dist.isend(_transport.readonly_tensor(piece), dst=dst, group=group)
-                _transport.settle(sent)
+                if _watch.current() is None:
+                    dist.send(sent, dst=dst, group=group)
+                else:
+                    _transport.settle(dist.isend(sent, dst=dst, group=group))
         return None
     out = [bytearray(n) for n in lengths]
     for offset in range(0, max(lengths, default=0), chunk_bytes):
@@ -237,7 +240,10 @@ def _receive_in_place(
         for work in waits:
             if work is not None:
                 with _transport.link():
-                    _transport.settle(work)
+                    if _watch.current() is None:
+                        work.wait()
+                    else:
+                        _transport.settle(work)
     return out
 
 
@@ -261,13 +267,12 @@ def _gather_through_device(
         width = min(chunk_bytes, longest - offset)
         send = _transport.send_buffer(data[offset : offset + width], width, device)
         if out is None:
-            with _transport.link():
-                _transport.settle(dist.gather(send, None, dst=dst, group=group, async_op=True))
+            with _transport.link():  # NCCL: its own watchdog bounds it (no peer watch)
+                dist.gather(send, None, dst=dst, group=group)
             continue
         slots = [_transport.receive_buffer(target, offset, width, device) for target in out]
         with _transport.link():
-            into = [slot for slot, _ in slots]
-            _transport.settle(dist.gather(send, into, dst=dst, group=group, async_op=True))
+            dist.gather(send, [slot for slot, _ in slots], dst=dst, group=group)
         for target, (slot, in_place), length in zip(out, slots, lengths, strict=True):
             if not in_place:
                 _transport.copy_out(slot, max(0, min(width, length - offset)), target, offset)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,10 +48,19 @@ def settle(work: Any) -> None:
         _watch.wait(work)
 
 
+def run(collective: Callable[[bool], Any]) -> None:
+    """Run `collective(async_op)`: as it is where no peer watch runs (no launch), else async
+    and waited for through the watch."""
+    if _watch.current() is None:
+        collective(False)
+    else:
+        settle(collective(True))
+
+
 def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's equal-sized `tensor`, concatenated into `output`, in group order."""
     with link():
-        settle(_all_gather_single(output, tensor, group=group, async_op=True))
+        run(lambda a: _all_gather_single(output, tensor, group=group, async_op=a))
 
 
 def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
@@ -68,7 +77,7 @@ def all_gather_block(block: bytes | bytearray, group: Any = None) -> bytes:
         repeated = bytearray(block) * count  # in Python: cheaper than a tensor's repeat()
         mine = torch.frombuffer(repeated, dtype=torch.uint8)
         with link():
-            settle(dist.all_to_all_single(out, mine, group=group, async_op=True))
+            run(lambda a: dist.all_to_all_single(out, mine, group=group, async_op=a))
     else:
         mine = torch.frombuffer(bytearray(block), dtype=torch.uint8)
         all_gather_single(out, mine if device.type == "cpu" else mine.to(device), group)
@@ -144,13 +153,13 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(count)]
     with link():
-        settle(dist.all_gather(lengths, length, group=group, async_op=True))
+        run(lambda a: dist.all_gather(lengths, length, group=group, async_op=a))
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     mine = send_buffer(memoryview(data), longest, device)
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(count)]
     with link():
-        settle(dist.all_gather(gathered, mine, group=group, async_op=True))
+        run(lambda a: dist.all_gather(gathered, mine, group=group, async_op=a))
     return [to_bytes(t, n) for t, n in zip(gathered, sizes, strict=False)]
 
 
@@ -159,7 +168,7 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
     device = exchange_device(group)
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
     with link():
-        settle(dist.broadcast(length, src, group=group, async_op=True))
+        run(lambda a: dist.broadcast(length, src, group=group, async_op=a))
     size = int(length.item())
     if data is not None:
         buffer = send_buffer(memoryview(data), size, device)
@@ -167,7 +176,7 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any = None) -> bytes:
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
         with link():
-            settle(dist.broadcast(buffer, src, group=group, async_op=True))
+            run(lambda a: dist.broadcast(buffer, src, group=group, async_op=a))
     return data if data is not None else to_bytes(buffer, size)
 
 
@@ -192,9 +201,9 @@ def broadcast_known(data: bytes | None, size: int, src: int, group: Any = None) 
     if data is not None:
         sent = send_buffer(memoryview(data), size, device)
         with link():
-            settle(dist.broadcast(sent, src, group=group, async_op=True))
+            run(lambda a: dist.broadcast(sent, src, group=group, async_op=a))
         return data
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     with link():
-        settle(dist.broadcast(buffer, src, group=group, async_op=True))
+        run(lambda a: dist.broadcast(buffer, src, group=group, async_op=a))
     return to_bytes(buffer, size)

@@ -107,3 +107,26 @@ def test_the_tests_own_group_still_being_freed_on_a_busy_machine_is_not_taken_fo
     monkeypatch.setattr(group_release.threading, "enumerate", lambda: [SlowRelease()])
     monkeypatch.setattr(group_release, "_destroyed", [weakref.ref(held[0])])
     assert not group_release.held_after_test(strict=True)
+
+
+@pytest.mark.parametrize(
+    ("innermost", "before"),
+    [
+        ('  File "/x/lib/rankwise/_watch.py", line 437 in wait', False),  # under the peer watch
+        (
+            '  File "/x/torch/distributed/distributed_c10d.py", line 5100 in all_to_all_single',
+            False,
+        ),
+        ('  File "/x/tests/test_a.py", line 12 in slow_fn', True),  # still in its own fn
+    ],
+)
+def test_a_rank_waiting_for_its_exchange_is_not_hung_before_it(
+    innermost: str, before: bool
+) -> None:
+    stack = f'  File "/x/lib/rankwise/_collectives.py", line 90 in all_reduce\n{innermost}\n'
+    hung = RankOutcome("k", 0, 100, Ending.HUNG, stack=stack, where="all_reduce('batch')")
+    assert hung.before_exchange is before
+    assert hung.describe() == (
+        "hung in all_reduce('batch'), before its exchange" if before else
+        "hung in all_reduce('batch')"
+    )  # fmt: skip
