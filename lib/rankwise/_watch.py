@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -110,7 +111,7 @@ class Watch:
     def run(self) -> None:
         """Count, and read the peers while this rank waits in a collective; end with the
         group (destroyed, or another set up in its place)."""
-        while not self.stop.wait(self.beat) and _started_for is dist.group.WORLD:
+        while not self.stop.wait(self.beat) and _decided_for() is dist.group.WORLD:
             try:
                 self.store.add(f"{_KEYS}beat/{self.rank}", 1)
             except Exception:  # the store gone: the wait says so once it has been too long
@@ -324,7 +325,13 @@ def _main_torch_frame() -> Any:
 # ---- the one watch of this process ----------------------------------------------------------
 
 _watch: Watch | None = None
-_started_for: Any = None  # the default group the watch was started for
+# The default group whether to watch was decided for, weakly: holding a destroyed group
+# would keep its resources alive (and a harness checks that nothing does).
+_started_for: Any = None
+
+
+def _decided_for() -> Any:
+    return _started_for() if _started_for is not None else None
 
 
 def current() -> Watch | None:
@@ -334,20 +341,20 @@ def current() -> Watch | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     world = dist.group.WORLD
-    if _watch is not None and _started_for is world:
+    if _decided_for() is world:  # decided for this group already (a watch, or none)
         return _watch
     if _watch is not None:  # a new default group: the old watch's counts mean nothing now
         _watch.stop.set()
         _watch = None
+    _started_for = weakref.ref(world)
     bound = bound_s()
     if bound is None or not _applies():
-        return None
+        return None  # read once per group: each labelled collective pays one comparison
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:
         return None
     _watch = _start(store, dist.get_rank(), dist.get_world_size(), bound)
-    _started_for = world
     return _watch
 
 
@@ -402,7 +409,7 @@ def _name_lost_peers_on_exit(watch: Watch) -> None:
 
 def _at_exit(watch: Watch) -> None:
     watch.stop.set()
-    if _started_for is not None and _started_for is dist.group.WORLD:
+    if dist.is_initialized() and _decided_for() is dist.group.WORLD:
         watch.leaving()  # an ordinary end: not silent, not lost
 
 
