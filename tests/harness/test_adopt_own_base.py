@@ -18,7 +18,7 @@ class DistTest:
     world_size = 2
 
     def spawn(self, body):
-        store = tempfile.mktemp()
+        store = os.path.join(tempfile.mkdtemp(), "store")  # a fresh path
         ctx = multiprocessing.get_context("spawn")
         procs = [
             ctx.Process(
@@ -46,6 +46,7 @@ def run_rank(cls, name, world_size, store, *, rank):
 
 # The project's adopter: the base's spawn, pointed at the harness.
 CONFTEST = """
+import os
 import tempfile
 import harness
 import mybase
@@ -63,7 +64,7 @@ class MyBaseAdopter(harness.Adopter):
             return
 
         def spawn(body):
-            store = tempfile.mktemp()
+            store = os.path.join(tempfile.mkdtemp(), "store")  # a fresh path
             self.run(item, case.world_size, mybase.run_rank, type(case), body.__name__,
                      case.world_size, store)
 
