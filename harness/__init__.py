@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.common.assertions import assert_close_across_ranks, assert_on_all_ranks
-from harness.common.expect import Expected, aborts, exits, hangs, killed, raises, returns
-from harness.common.faults import Fault, fault_point
-from harness.common.outcome import Ending, RankOutcome
-from harness.run_on_ranks import RankRunner, WorldOutcome
-from harness.runner import RanksReplacedWarning
-
 if TYPE_CHECKING:
     from harness.adopt import Adopter
+    from harness.common.assertions import assert_close_across_ranks, assert_on_all_ranks
+    from harness.common.expect import Expected, aborts, exits, hangs, killed, raises, returns
+    from harness.common.faults import Fault, fault_point
+    from harness.common.outcome import Ending, RankOutcome
     from harness.kept_pool import RankPool, RankPoolError
+    from harness.run_on_ranks import RankRunner, WorldOutcome
+    from harness.runner import RanksReplacedWarning
     from harness.simulate import ThreadedWorldError
     from harness.simulation.collective_log import CollectiveLog, CollectiveRecord
     from harness.simulation.fake_world import FakeWorld
@@ -55,10 +54,27 @@ __all__ = [
     "spawn",
 ]
 
-# Names from the plugin modules below, imported on first use: pytest must import those
-# modules itself (after marking them for assertion rewriting), or it warns, and a project
-# with filterwarnings = error cannot start when the entry point loads this package.
+# Every name, imported on first use: pytest must import the plugin modules itself (after
+# marking them for assertion rewriting), or it warns, and a project with filterwarnings =
+# error cannot start when the entry point loads this package; and a session with the plugin
+# off (-p no:harness) imports only its hint (harness.off_hint), not the harness.
 _LAZY = {
+    "assert_close_across_ranks": "harness.common.assertions",
+    "assert_on_all_ranks": "harness.common.assertions",
+    "Expected": "harness.common.expect",
+    "aborts": "harness.common.expect",
+    "exits": "harness.common.expect",
+    "hangs": "harness.common.expect",
+    "killed": "harness.common.expect",
+    "raises": "harness.common.expect",
+    "returns": "harness.common.expect",
+    "Fault": "harness.common.faults",
+    "fault_point": "harness.common.faults",
+    "Ending": "harness.common.outcome",
+    "RankOutcome": "harness.common.outcome",
+    "RankRunner": "harness.run_on_ranks",
+    "WorldOutcome": "harness.run_on_ranks",
+    "RanksReplacedWarning": "harness.runner",
     "Adopter": "harness.adopt",
     "ThreadedWorldError": "harness.simulate",
     "CollectiveLog": "harness.simulation.collective_log",

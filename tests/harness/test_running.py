@@ -187,6 +187,24 @@ def test_with_the_plugin_off_a_test_that_needs_it_says_so(pytester: pytest.Pytes
     deselected.assert_outcomes(passed=1)
 
 
+def test_with_the_plugin_off_only_its_hint_is_imported(pytester: pytest.Pytester) -> None:
+    """`-p no:harness` still imported the whole harness package (about 70 ms of a session's
+    start) for the hint's entry point: now the hint and the package's bare __init__ alone."""
+    pytester.makeconftest(
+        """
+        import sys
+
+        def pytest_sessionfinish(session):
+            loaded = sorted(m for m in sys.modules if m == "harness" or m.startswith("harness."))
+            print("HARNESS MODULES:", loaded)
+        """
+    )
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:harness", "-s")
+    result.assert_outcomes(passed=1)
+    assert "HARNESS MODULES: ['harness', 'harness.off_hint']" in result.stdout.str()
+
+
 def test_the_off_hint_knows_every_marker_and_fixture_of_the_harness(
     pytester: pytest.Pytester,
 ) -> None:
