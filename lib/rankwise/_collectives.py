@@ -262,6 +262,7 @@ def _peers_lost(message: str, lost: tuple[int, ...], in_flight: bool) -> BaseExc
     (and its origin is the one rank, where one was lost), torchrun's error file says so,
     and the process can end without waiting on the lost peers at exit."""
     error = RuntimeError(message)
+    error._rankwise_lost = lost  # type: ignore[attr-defined]  # for the watch, as it ends
     watch = _watch.current()
     if watch is not None:
         watch.leaving()  # so that a later survivor does not name this rank among the lost

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -60,6 +61,10 @@ def note_own_failure(error: BaseException) -> None:
 
 
 _PEERS_LOST = "_rankwise_peers_lost"
+# Called once a rank has said which peers were lost, as it ends (set by the peer watch): it
+# waits a little for the other survivors to say so too, since torchrun ends a node's other
+# workers as soon as one of them exits.
+spoken: Callable[[BaseException], None] | None = None
 
 
 def note_peers_lost(error: BaseException, in_flight: bool) -> None:
@@ -152,10 +157,13 @@ def _hook_uncaught(always: bool = False) -> None:
             print(one_line(error, f"rankwise: rank {this_rank} exits"), file=sys.stderr, flush=True)
         else:
             previous(kind, error, tb)
-        if getattr(error, _PEERS_LOST, False):
+        if hasattr(error, _PEERS_LOST):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
+            if spoken is not None:
+                spoken(error)  # the other survivors get to say it too before this rank ends
+        if getattr(error, _PEERS_LOST, False):
             os._exit(1)  # gloo's teardown would wait for the lost peers for its timeout
 
     hook._rankwise = True  # type: ignore[attr-defined]

@@ -225,6 +225,7 @@ def _wait_for_every_rank(exiting: SystemExit | None) -> None:
         )
         if len(exc.lost) == 1:
             error.origin_rank = exc.lost[0]  # type: ignore[attr-defined]
+        error._rankwise_lost = exc.lost  # type: ignore[attr-defined]
         watch = _watch.current()
         if watch is not None:
             watch.leaving()
@@ -272,4 +273,7 @@ def abort() -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    watch = _watch.current()
+    if watch is not None and error is not None and hasattr(error, "_rankwise_peers_lost"):
+        watch.spoken(tuple(getattr(error, "_rankwise_lost", ())))  # let the others say it too
     os._exit(ABORT_EXIT_CODE)

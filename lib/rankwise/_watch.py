@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import re
@@ -148,6 +149,33 @@ class Watch:
         except Exception:
             return False
 
+    def spoken(self, lost: tuple[int, ...]) -> None:
+        """This rank has said that `lost` were lost, and is ending: say so in the store, then
+        wait (a beat and a few seconds at most) until the other survivors have said it too.
+        torchrun ends a node's other workers as soon as one exits: without this wait a
+        survivor a moment slower to find the loss would be ended before it could name it."""
+        key = f"{_KEYS}spoke/{self.rank}"
+        if _bounded(lambda: self.store.set(key, "1") or True, 1.0) is None:
+            return  # the store is gone: nobody can say anything through it
+        others = [r for r in range(self.world) if r != self.rank and r not in lost]
+        deadline = time.monotonic() + min(self.bound, self.beat + 5.0)
+        while others and time.monotonic() < deadline:
+            left = _bounded(functools.partial(self._yet_to_speak, others), 1.0)
+            if left is None:
+                return
+            others = left
+            if others:
+                time.sleep(0.2)
+
+    def _yet_to_speak(self, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if not self._has_spoken(r)]
+
+    def _has_spoken(self, peer: int) -> bool:
+        try:
+            return bool(self.store.check([f"{_KEYS}spoke/{peer}"]))
+        except Exception:
+            return False
+
     def leaving(self) -> None:
         """Say in the store that this rank is leaving (its run ended, or it found peers
         lost), so that peers neither wait for it as silent nor name it as lost; bounded (the
@@ -191,6 +219,7 @@ class Watch:
         print(f"rankwise: {message}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
+        self.spoken(self.lost)
         os._exit(1)
 
     # ---- what the main thread asks -------------------------------------------------------
@@ -374,6 +403,7 @@ def _start(store: Any, rank: int, world: int, bound: float) -> Watch:
     threading.Thread(target=watch.run, name=_THREAD, daemon=True).start()
     atexit.register(_at_exit, watch)
     _name_lost_peers_on_exit(watch)
+    _error_file.spoken = lambda error: watch.spoken(tuple(getattr(error, "_rankwise_lost", ())))
     return watch
 
 
@@ -403,6 +433,9 @@ def _name_lost_peers_on_exit(watch: Watch) -> None:
         previous(kind, error, tb)
         if named is not None:
             print(f"rankwise: {said}", file=sys.stderr, flush=True)
+        if plain and any(w in words for w in _LINK_WORDS):
+            watch.leaving()
+            watch.spoken(named[1] if named is not None else ())
 
     sys.excepthook = hook
 

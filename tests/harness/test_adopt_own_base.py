@@ -123,6 +123,14 @@ def test_a_projects_own_base_runs_on_warm_ranks_when_asked(project: pytest.Pytes
     adopted.stdout.no_fnmatch_line("*not adopted*")
 
 
+def test_the_documented_conftest_holds_with_the_harness_off(project: pytest.Pytester) -> None:
+    """`-p no:harness` with the documented conftest was an INTERNALERROR ("unknown hook
+    'pytest_harness_adopters'"): its hook is marked optional, and the suite runs as it is."""
+    result = project.runpytest_subprocess("-p", "no:harness", "-rA")
+    result.assert_outcomes(passed=2)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
 def test_another_adopter_names_the_one_to_ask_for(project: pytest.Pytester) -> None:
     """Under --rank-adopt torch the project's classes run as they are, and the summary says
     which adopter takes them."""

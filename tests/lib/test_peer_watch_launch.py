@@ -44,6 +44,13 @@ while True:
     time.sleep(0.01)
 """
 
+# The same loop through the other labelled collectives: each waits through the watch.
+OPS = {
+    "gather_bytes": "rw.gather_bytes(bytes([rank]) * 64, dst=0, chunk_bytes=16)",
+    "gather_state_dicts": 'list(rw.gather_state_dicts({"step": step}, dst=0))',
+    "broadcast_from": 'rw.broadcast_from("cfg", lambda: torch.arange(2000.0), src=0)',
+}
+
 SLOW = """
 import os, time
 import torch.distributed as dist
@@ -169,6 +176,42 @@ def test_every_survivor_names_the_lost_node_within_the_bound(
         if fault == "freeze" and victim == "other":
             assert "silent for" in error, error
     assert_all_gone(everything, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_a_frozen_node_is_named_from_every_labelled_collective(tmp_path: Path, op: str) -> None:
+    """The gathers (point to point on gloo) and a broadcast too large for its header wait
+    through the watch as all_reduce does: the frozen node is named within the bound."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.replace('rw.all_reduce("step", lambda: step, sum)', OPS[op]))
+    agents = _agents(tmp_path, script, nodes=2, per_node=2)
+    everything: list[int] = []
+    try:
+        deadline = time.monotonic() + START_BOUND_S
+        while len(list(tmp_path.glob("ready-*"))) < 4:
+            assert time.monotonic() < deadline, "the ranks never got going"
+            time.sleep(0.1)
+        pids = {int(p.name[6:]): int(p.read_text()) for p in tmp_path.glob("ready-*")}
+        node_of = {r: _parent(pid) for r, pid in pids.items()}
+        frozen = next(a.pid for a in agents if a.pid != node_of[0])
+        everything = [a.pid for a in agents] + list(pids.values())
+        started = time.monotonic()
+        for pid in [frozen] + [pid for r, pid in pids.items() if node_of[r] == frozen]:
+            os.kill(pid, signal.SIGSTOP)
+        survivors = [r for r in pids if node_of[r] != frozen]
+        while any(_alive(pids[r]) for r in survivors):
+            assert time.monotonic() - started < BOUND_S + GRACE_S, "survivors still running"
+            time.sleep(0.2)
+    finally:
+        _end(agents, everything)
+    for rank in survivors:
+        stderr, error = next(
+            (said for said in (_said(tmp_path / f"logs-{i}", rank) for i in range(2)) if said[0]),
+            ("", ""),
+        )
+        for text in (stderr, error):
+            assert _named(text) == {2, 3}, (rank, op, text[-3000:])
 
 
 @pytest.mark.slow
