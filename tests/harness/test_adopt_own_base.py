@@ -49,6 +49,7 @@ CONFTEST = """
 import os
 import tempfile
 import harness
+import pytest
 import mybase
 
 
@@ -71,6 +72,7 @@ class MyBaseAdopter(harness.Adopter):
         case.spawn = spawn
 
 
+@pytest.hookimpl(optionalhook=True)  # a session with -p no:harness knows no such hook
 def pytest_harness_adopters(config):
     return [MyBaseAdopter()]
 """

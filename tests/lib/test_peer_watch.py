@@ -175,13 +175,19 @@ def test_a_peer_on_this_machine_is_named_by_what_happened_to_its_process(fate: s
                     "rank 2 (host vm) frozen (stopped)")  # fmt: skip
 
 
-def test_known_silent_peers_explain_a_link_that_failed_after_them() -> None:
+def _ranks_2_and_3_silent() -> Any:
+    """A watch of 4 ranks (bound 10 s) that has seen ranks 2 and 3 silent for 11 s."""
     watch, store, clock = _watch_of(4, bound=10)
     _beat(store, 1, 2, 3)
     watch._read_peers()
     clock.now += 11
     _beat(store, 1)
     watch._read_peers()
+    return watch
+
+
+def test_known_silent_peers_explain_a_link_that_failed_after_them() -> None:
+    watch = _ranks_2_and_3_silent()
     said, lost = watch.explain_link_failure("Connection closed by peer [10.0.0.0]:1")
     assert lost == (2, 3) and said.startswith("ranks 2, 3 (host n1) silent for 11 s")
 
@@ -195,12 +201,7 @@ class _Work:
 
 
 def test_a_wait_raises_once_the_watch_finds_peers_silent(monkeypatch: pytest.MonkeyPatch) -> None:
-    watch, store, clock = _watch_of(4, bound=10)
-    _beat(store, 1, 2, 3)
-    watch._read_peers()
-    clock.now += 11
-    _beat(store, 1)
-    watch._read_peers()
+    watch = _ranks_2_and_3_silent()
     monkeypatch.setattr(_watch, "current", lambda: watch)
     with pytest.raises(_watch.PeersLost, match=r"ranks 2, 3 \(host n1\) silent for 11 s") as lost:
         _watch.wait(_Work())

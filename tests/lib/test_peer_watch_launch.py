@@ -91,6 +91,22 @@ def _agents(tmp: Path, script: Path, nodes: int, per_node: int) -> list[subproce
     ]  # fmt: skip
 
 
+def _script(tmp: Path, text: str) -> Path:
+    script = tmp / "loop.py"
+    script.write_text(text)
+    return script
+
+
+def _ready(tmp: Path, agents: list[subprocess.Popen[str]]) -> dict[int, int]:
+    """Wait (bounded) until all 4 ranks are looping; each rank's pid."""
+    deadline = time.monotonic() + START_BOUND_S
+    while len(list(tmp.glob("ready-*"))) < 4:
+        assert time.monotonic() < deadline, "the ranks never got going"
+        assert all(a.poll() is None for a in agents), "an agent ended before the fault"
+        time.sleep(0.1)
+    return {int(p.name[6:]): int(p.read_text()) for p in tmp.glob("ready-*")}
+
+
 def _end(agents: list[subprocess.Popen[str]], pids: list[int]) -> None:
     """Kill whatever is left (a frozen node's agent and workers too) and reap the agents."""
     for agent in agents:
@@ -137,17 +153,10 @@ def _named(text: str) -> set[int]:
 def test_every_survivor_names_the_lost_node_within_the_bound(
     tmp_path: Path, fault: str, victim: str
 ) -> None:
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP)
-    agents = _agents(tmp_path, script, nodes=2, per_node=2)
+    agents = _agents(tmp_path, _script(tmp_path, LOOP), nodes=2, per_node=2)
     everything: list[int] = []
     try:
-        deadline = time.monotonic() + START_BOUND_S
-        while len(list(tmp_path.glob("ready-*"))) < 4:
-            assert time.monotonic() < deadline, "the ranks never got going"
-            assert all(a.poll() is None for a in agents), "an agent ended before the fault"
-            time.sleep(0.1)
-        pids = {int(p.name[6:]): int(p.read_text()) for p in tmp_path.glob("ready-*")}
+        pids = _ready(tmp_path, agents)
         node_of = {r: _parent(pid) for r, pid in pids.items()}
         lost_agent = (
             node_of[0] if victim == "rank0" else next(a.pid for a in agents if a.pid != node_of[0])
@@ -183,16 +192,11 @@ def test_every_survivor_names_the_lost_node_within_the_bound(
 def test_a_frozen_node_is_named_from_every_labelled_collective(tmp_path: Path, op: str) -> None:
     """The gathers (point to point on gloo) and a broadcast too large for its header wait
     through the watch as all_reduce does: the frozen node is named within the bound."""
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP.replace('rw.all_reduce("step", lambda: step, sum)', OPS[op]))
-    agents = _agents(tmp_path, script, nodes=2, per_node=2)
+    loop = LOOP.replace('rw.all_reduce("step", lambda: step, sum)', OPS[op])
+    agents = _agents(tmp_path, _script(tmp_path, loop), nodes=2, per_node=2)
     everything: list[int] = []
     try:
-        deadline = time.monotonic() + START_BOUND_S
-        while len(list(tmp_path.glob("ready-*"))) < 4:
-            assert time.monotonic() < deadline, "the ranks never got going"
-            time.sleep(0.1)
-        pids = {int(p.name[6:]): int(p.read_text()) for p in tmp_path.glob("ready-*")}
+        pids = _ready(tmp_path, agents)
         node_of = {r: _parent(pid) for r, pid in pids.items()}
         frozen = next(a.pid for a in agents if a.pid != node_of[0])
         everything = [a.pid for a in agents] + list(pids.values())
