@@ -60,11 +60,6 @@ def header_bytes(members: int) -> int:
     return max(SMALLEST_HEADER, min(HEADER_BYTES, _EXCHANGE_BYTES // max(1, members)))
 
 
-def inline_bytes(members: int) -> int:
-    """How large a value rides in the header itself, in a group of `members` ranks."""
-    return header_bytes(members) - _LAYOUT.size
-
-
 def all_reduce(label: str, fn: Callable[[], _V], combine: Callable[[list[_V]], _V]) -> _V:
     """Run `fn` on every rank and return `combine` of all their values, in rank order.
 

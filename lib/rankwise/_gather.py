@@ -240,10 +240,7 @@ def _receive_in_place(
         for work in waits:
             if work is not None:
                 with _transport.link():
-                    if _watch.current() is None:
-                        work.wait()
-                    else:
-                        _transport.settle(work)
+                    _transport.settle(work)  # work.wait(), through the watch on a launch
     return out
 
 

@@ -84,9 +84,6 @@ class Where:
     boot: str
     addresses: tuple[str, ...]
 
-    def shown(self) -> str:
-        return f"host {self.host}"
-
 
 @dataclass
 class Watch:
@@ -137,25 +134,31 @@ class Watch:
                 elif now - before[1] >= self.bound:
                     silent.append(peer)
         # a rank that left (ended its run, or found its own peers lost) is not silent
-        left = tuple(r for r in silent if self._has_left(r))
+        left = tuple(r for r in silent if self._marked("left", r))
         with self.lock:
             self.lost = tuple(r for r in silent if r not in left)
         if len(self.where) < self.world:
             self._read_where()  # on this thread, ahead of any failure the main thread words
 
-    def _has_left(self, peer: int) -> bool:
+    def _marked(self, what: str, peer: int) -> bool:
+        """Whether `peer` put its mark `what` ("left", "spoke") in the store."""
         try:
-            return bool(self.store.check([f"{_KEYS}left/{peer}"]))
+            return bool(self.store.check([f"{_KEYS}{what}/{peer}"]))
         except Exception:
             return False
+
+    def _mark(self, what: str) -> bool:
+        """Put this rank's mark `what` in the store; False if the store did not take it
+        within a second (it may be the thing that is gone)."""
+        key = f"{_KEYS}{what}/{self.rank}"
+        return _bounded(lambda: self.store.set(key, "1") or True, 1.0) is not None
 
     def spoken(self, lost: tuple[int, ...]) -> None:
         """This rank has said that `lost` were lost, and is ending: say so in the store, then
         wait (a beat and a few seconds at most) until the other survivors have said it too.
         torchrun ends a node's other workers as soon as one exits: without this wait a
         survivor a moment slower to find the loss would be ended before it could name it."""
-        key = f"{_KEYS}spoke/{self.rank}"
-        if _bounded(lambda: self.store.set(key, "1") or True, 1.0) is None:
+        if not self._mark("spoke"):
             return  # the store is gone: nobody can say anything through it
         others = [r for r in range(self.world) if r != self.rank and r not in lost]
         deadline = time.monotonic() + min(self.bound, self.beat + 5.0)
@@ -168,22 +171,12 @@ class Watch:
                 time.sleep(0.2)
 
     def _yet_to_speak(self, ranks: list[int]) -> list[int]:
-        return [r for r in ranks if not self._has_spoken(r)]
-
-    def _has_spoken(self, peer: int) -> bool:
-        try:
-            return bool(self.store.check([f"{_KEYS}spoke/{peer}"]))
-        except Exception:
-            return False
+        return [r for r in ranks if not self._marked("spoke", r)]
 
     def leaving(self) -> None:
         """Say in the store that this rank is leaving (its run ended, or it found peers
-        lost), so that peers neither wait for it as silent nor name it as lost; bounded (the
-        store may be the thing that is gone)."""
-        key = f"{_KEYS}left/{self.rank}"
-        saying = threading.Thread(target=self.store.set, args=(key, "1"), daemon=True)
-        saying.start()
-        saying.join(1.0)
+        lost), so that peers neither wait for it as silent nor name it as lost."""
+        self._mark("left")
 
     def _counts(self) -> dict[int, int]:
         """Each peer's count, for the peers whose watch has started: one that has not (still
@@ -268,7 +261,7 @@ class Watch:
         if len(where) <= 1 and _bounded(lambda: self.store.check([f"{_KEYS}beat/0"]), 2.0) is None:
             return _store_node("is gone too: it died or went down")  # nothing else answers
         address = _address_in(words)
-        left = _bounded(lambda: {r for r in where if self._has_left(r)}, 2.0) or set()
+        left = _bounded(lambda: {r for r in where if self._marked("left", r)}, 2.0) or set()
         candidates = [w for w in where.values() if w.rank != self.rank and w.rank not in left]
         if address is not None:
             candidates = [w for w in candidates if address in w.addresses] or candidates
