@@ -41,6 +41,7 @@ from rankwise import _error_file
 BOUND_ENV = "RANKWISE_PEER_TIMEOUT"
 DEFAULT_BOUND_S = 60.0
 _KEYS = "rankwise/watch/"
+_FOUND = f"{_KEYS}found"  # the first survivor's words for the lost peers, for the others
 _THREAD = "rankwise-peer-watch"
 _SLICE_S = 2.0  # how long a labelled collective waits before it asks the watch
 _TIMED_OUT = "Operation timed out"  # gloo's word for a wait's own timeout (not a failure)
@@ -98,7 +99,10 @@ class Watch:
     where: dict[int, Where] = field(default_factory=dict)
     waiting: int = 0  # labelled waits in progress on the main thread
     store_ok_at: float = field(default_factory=time.monotonic)  # its last answer
+    store_gone: bool = False  # the store's end of the connection closed (not only silent)
     lost: tuple[int, ...] = ()
+    found: str = ""  # this rank's words for the lost peers, once it found them
+    told: tuple[str, tuple[int, ...]] = ("", ())  # another survivor's words, and its lost
     stuck: tuple[int, float] = (0, 0.0)  # the main thread's torch frame, and since when
     clock: Any = time.monotonic  # a test's own clock, where one is given
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -107,17 +111,28 @@ class Watch:
     # ---- the thread -------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Count, and read the peers while this rank waits in a collective; end with the
-        group (destroyed, or another set up in its place)."""
+        """Each beat: count, and read the peers while this rank waits in a collective, on a
+        thread of its own (a store frozen or cut off never answers, and this thread must
+        still end a rank stuck on it); end with the group (destroyed, or another set up in
+        its place)."""
+        talking: threading.Thread | None = None
         while not self.stop.wait(self.beat) and _decided_for() is dist.group.WORLD:
-            try:
-                self.store.add(f"{_KEYS}beat/{self.rank}", 1)
-            except Exception:  # the store gone: the wait says so once it has been too long
-                continue
-            self.store_ok_at = self.clock()  # a call stuck on a cut link never gets here
-            if self.waiting or _main_torch_frame() is not None:
-                self._read_peers()
+            if talking is None or not talking.is_alive():  # else the store still owes an answer
+                talking = threading.Thread(target=self._talk, name=f"{_THREAD}-store", daemon=True)
+                talking.start()
+                talking.join(self.beat / 2)
             self._end_if_stuck_in_torch()
+
+    def _talk(self) -> None:
+        try:
+            self.store.add(f"{_KEYS}beat/{self.rank}", 1)
+        except Exception as exc:  # a silent store: the wait says so once it has been too long
+            if isinstance(exc, dist.DistNetworkError) or any(w in str(exc) for w in _LINK_WORDS):
+                self.store_gone = True  # its end of the connection closed: its node is gone
+            return
+        self.store_ok_at = self.clock()  # a call stuck on a cut link never gets here
+        if self.waiting or _main_torch_frame() is not None:
+            self._read_peers()
 
     def _read_peers(self) -> None:
         try:
@@ -135,10 +150,35 @@ class Watch:
                     silent.append(peer)
         # a rank that left (ended its run, or found its own peers lost) is not silent
         left = tuple(r for r in silent if self._marked("left", r))
+        if not self.told[0]:
+            self._read_told(counts)
         with self.lock:
-            self.lost = tuple(r for r in silent if r not in left)
+            self.lost = tuple(r for r in silent if r not in left) or self.told[1]
         if len(self.where) < self.world:
             self._read_where()  # on this thread, ahead of any failure the main thread words
+
+    def _read_told(self, counts: dict[int, int]) -> None:
+        """Another survivor's words for peers it found lost, where one published them: a rank
+        waiting on a live survivor (not on the lost peers themselves) hears nothing from
+        gloo, and would otherwise wait out the bound while torchrun ends it unheard. The
+        words hold while the peers they name have not counted since (not a record left by
+        an earlier group whose ranks were replaced)."""
+        with contextlib.suppress(Exception):
+            if self.store.check([_FOUND]):
+                said = json.loads(bytes(self.store.get(_FOUND)))
+                lost = tuple(int(r) for r in said["lost"])
+                then = {int(r): int(c) for r, c in said["counts"].items()}
+                still = all(counts.get(r) == c for r, c in then.items())
+                if int(said["rank"]) != self.rank and lost and still:
+                    self.told = (f"{said['words']} (as rank {int(said['rank'])} found)", lost)
+
+    def account(self) -> str:
+        """This rank's words for the peers it holds lost: another survivor's, where they
+        came from it, else how long they have been silent."""
+        told, lost = self.told
+        words = told if told and self.lost == lost else self.describe(self.lost)
+        self.found = self.found or words
+        return words
 
     def _marked(self, what: str, peer: int) -> bool:
         """Whether `peer` put its mark `what` ("left", "spoke") in the store."""
@@ -157,9 +197,20 @@ class Watch:
         """This rank has said that `lost` were lost, and is ending: say so in the store, then
         wait (a beat and a few seconds at most) until the other survivors have said it too.
         torchrun ends a node's other workers as soon as one exits: without this wait a
-        survivor a moment slower to find the loss would be ended before it could name it."""
+        survivor a moment slower to find the loss would be ended before it could name it.
+        The words are published too, for a survivor that could not find the loss itself."""
+        if lost and self.found and not self.told[0]:
+            counts = _bounded(self._counts, 1.0) or {}
+            said = json.dumps({
+                "rank": self.rank, "lost": list(lost), "words": self.found,
+                "counts": {str(r): c for r, c in counts.items() if r in lost},
+            })  # fmt: skip
+            _bounded(lambda: self.store.set(_FOUND, said), 1.0)
         if not self._mark("spoke"):
-            return  # the store is gone: nobody can say anything through it
+            # The store is gone: nobody can say anything through it. The other survivors
+            # watch the same silence and reach the same end within a beat: give them it.
+            time.sleep(min(self.bound, 1.5 * self.beat + 1.0))
+            return
         others = [r for r in range(self.world) if r != self.rank and r not in lost]
         deadline = time.monotonic() + min(self.bound, self.beat + 5.0)
         while others and time.monotonic() < deadline:
@@ -196,11 +247,21 @@ class Watch:
         if frame is None or self.waiting or id(frame) != self.stuck[0]:
             self.stuck = (id(frame) if frame is not None else 0, now)
             return
-        if not self.lost or now - self.stuck[1] < self.bound:
+        # told by a survivor, or the store's connection closed, the loss is known: a beat in
+        # the same call is not a passing one
+        needed = self.beat if self.told[0] or self.store_gone else self.bound
+        quiet = now - self.store_ok_at
+        if now - self.stuck[1] < needed:
+            return
+        if self.lost:
+            lost, words = self.lost, self.account()
+        elif self.store_gone or quiet >= self.bound + self.beat:  # rank 0's node: no counts
+            words, lost = self.store_words()
+        else:
             return
         message = (
             f"rank {self.rank}: waiting in a torch.distributed collective for "
-            f"{self.describe(self.lost)}, which cannot finish; ending this rank (exit status 1) "
+            f"{words}, which cannot finish; ending this rank (exit status 1) "
             f"as a collective on a silent peer never returns"
         )
         self.leaving()
@@ -212,10 +273,22 @@ class Watch:
         print(f"rankwise: {message}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        self.spoken(self.lost)
+        self.spoken(lost)
         os._exit(1)
 
     # ---- what the main thread asks -------------------------------------------------------
+
+    def store_words(self) -> tuple[str, tuple[int, ...]]:
+        """The words for the launch's store gone (its connection closed) or silent past the
+        bound, and the ranks on its node."""
+        if self.store_gone:
+            words, lost = _store_node("closed its connections (its node died or went down)")
+        else:
+            quiet = self.clock() - self.store_ok_at
+            words, lost = _store_node(f"has not answered for {quiet:.0f} s")
+            words = f"{words}: frozen, cut off or gone (the bound is {self.bound:g} s, {BOUND_ENV})"
+        self.found = self.found or words
+        return words, lost
 
     def describe(self, ranks: tuple[int, ...]) -> str:
         """'rank 2 (host n2) silent for 61 s (...)' or 'ranks 4, 5 (host n3) silent ...'."""
@@ -257,7 +330,7 @@ class Watch:
         with self.lock:
             silent = self.lost
         if silent:  # known silent already: they are why the link failed
-            return self.describe(silent), silent
+            return self.account(), silent
         if len(where) <= 1 and _bounded(lambda: self.store.check([f"{_KEYS}beat/0"]), 2.0) is None:
             return _store_node("is gone too: it died or went down")  # nothing else answers
         address = _address_in(words)
@@ -270,13 +343,13 @@ class Watch:
         for state, said in (("died", "died (process gone)"), ("frozen", "frozen (stopped)")):
             ranks = tuple(w.rank for w in candidates if _state(w, boot) == state)
             if ranks:
+                self.found = self.found or f"{_named(ranks, where)} {said}"
                 return f"{_named(ranks, where)} {said}", ranks
         if address is not None and candidates and len(candidates) < len(where) - 1:
             ranks = tuple(w.rank for w in candidates)
-            return (
-                f"{_named(ranks, where)} closed the connection (died, or its node went down)",
-                ranks,
-            )
+            words = f"{_named(ranks, where)} closed the connection (died, or its node went down)"
+            self.found = self.found or words
+            return words, ranks
         return None
 
 
@@ -297,7 +370,12 @@ def _bounded(call: Any, timeout: float) -> Any:
     """`call()`'s result, or None if it has not returned within `timeout` (it runs on in a
     daemon thread: a store call on a cut link returns only when TCP gives up)."""
     box: list[Any] = []
-    thread = threading.Thread(target=lambda: box.append(call()), daemon=True)
+
+    def called() -> None:
+        with contextlib.suppress(Exception):  # a store gone: no traceback from this thread
+            box.append(call())
+
+    thread = threading.Thread(target=called, name=f"{_THREAD}-call", daemon=True)
     thread.start()
     thread.join(timeout)
     return box[0] if box else None
@@ -478,15 +556,9 @@ def wait(work: Any) -> None:
                 if _TIMED_OUT not in str(exc):
                     raise  # the collective failed: the caller words it
             if watch.lost:
-                raise PeersLost(watch.describe(watch.lost), watch.lost)
-            quiet = watch.clock() - watch.store_ok_at
-            if quiet >= watch.bound + watch.beat:
-                words, lost = _store_node(f"has not answered for {quiet:.0f} s")
-                raise PeersLost(
-                    f"{words}: frozen, cut off or gone (the bound is {watch.bound:g} s, "
-                    f"{BOUND_ENV})",
-                    lost,
-                )
+                raise PeersLost(watch.account(), watch.lost)
+            if watch.store_gone or watch.clock() - watch.store_ok_at >= watch.bound + watch.beat:
+                raise PeersLost(*watch.store_words())
 
 
 @contextlib.contextmanager

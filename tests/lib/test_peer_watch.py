@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +193,49 @@ def test_known_silent_peers_explain_a_link_that_failed_after_them() -> None:
     assert lost == (2, 3) and said.startswith("ranks 2, 3 (host n1) silent for 11 s")
 
 
+def _rank_1_found_ranks_2_and_3_died() -> tuple[Any, FakeStore, Any]:
+    """Rank 0's watch, and rank 1's over the same store after it found ranks 2 and 3 dead
+    (gloo's closed connection) and said so; rank 0 itself waits on rank 1, hearing nothing."""
+    watch, store, _ = _watch_of(4, bound=10)
+    _beat(store, 1, 2, 3)
+    watch._read_peers()
+    finder = _watch.Watch(store, 1, 4, 10.0, 1.0)
+    finder.found = "ranks 2, 3 (host n1) died (process gone)"
+    store.set("rankwise/watch/spoke/0", "1")  # its wait for the others to speak ends at once
+    finder.spoken((2, 3))
+    return watch, store, finder
+
+
+def test_a_survivor_that_hears_nothing_is_told_the_loss_by_one_that_found_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun ends a node's other workers once one exits: a survivor waiting on a live
+    peer must not wait out the bound to name the loss, or it is ended unheard."""
+    watch, store, _ = _rank_1_found_ranks_2_and_3_died()
+    _beat(store, 1)
+    watch._read_peers()  # one look: no time has passed, nobody is silent yet
+    assert watch.lost == (2, 3)
+    told = "ranks 2, 3 (host n1) died (process gone) (as rank 1 found)"
+    assert watch.account() == told
+    monkeypatch.setattr(_watch, "current", lambda: watch)
+    with pytest.raises(_watch.PeersLost, match=re.escape(told)) as lost:
+        _watch.wait(_Work())
+    assert lost.value.lost == (2, 3)
+
+
+def test_a_told_loss_whose_peers_count_again_is_an_old_group_s_and_ignored() -> None:
+    watch, store, _ = _rank_1_found_ranks_2_and_3_died()
+    _beat(store, 1, 2, 3)  # ranks 2 and 3 replaced since: counting again
+    watch._read_peers()
+    assert watch.lost == () and watch.told == ("", ())
+
+
+def test_a_survivor_never_takes_its_own_published_words_as_told() -> None:
+    _, _, finder = _rank_1_found_ranks_2_and_3_died()
+    finder._read_peers()
+    assert finder.told == ("", ())
+
+
 class _Work:
     """An async collective that never completes, as gloo's does for a frozen peer."""
 
@@ -258,3 +302,34 @@ def test_a_bad_bound_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_watch_runs_outside_a_launch() -> None:
     assert _watch.current() is None  # no group here: nothing started, nothing waits in slices
+
+
+def test_a_store_that_closed_its_connections_names_rank_0_s_node_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its node killed, the launch's store refuses (not only stays silent): no bound to wait."""
+    watch, store, _ = _watch_of(4, bound=60)
+
+    def gone(key: str, amount: int) -> int:
+        raise _watch.dist.DistNetworkError("Broken pipe")
+
+    monkeypatch.setattr(store, "add", gone)
+    monkeypatch.setattr(_watch, "current", lambda: watch)
+    monkeypatch.setenv("MASTER_ADDR", "n0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    watch._talk()
+    assert watch.store_gone
+    with pytest.raises(_watch.PeersLost, match=r"the launch's store on rank 0's node \(host n0, "
+                       r"ranks 0, 1\) closed its connections") as lost:  # fmt: skip
+        _watch.wait(_Work())
+    assert lost.value.lost == (0, 1)
+
+
+def test_a_bounded_store_call_that_raises_is_no_answer_and_no_traceback(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    def fails() -> None:
+        raise RuntimeError("Broken pipe")
+
+    assert _watch._bounded(fails, 5.0) is None
+    assert "Traceback" not in capfd.readouterr().err

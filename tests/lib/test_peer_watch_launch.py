@@ -51,6 +51,32 @@ OPS = {
     "broadcast_from": 'rw.broadcast_from("cfg", lambda: torch.arange(2000.0), src=0)',
 }
 
+# The surviving node's first rank waits on its second alone (a plain recv); the second waits on
+# the other node (their subgroup): only it hears the other node go. The test names the waiter.
+WAITER = """
+import os, time
+import torch, torch.distributed as dist
+import rankwise as rw
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+without = {0: dist.new_group([1, 2, 3]), 2: dist.new_group([0, 1, 3])}
+for step in range(20):
+    rw.all_reduce("step", lambda: step, sum)
+with open(os.path.join(os.environ["MARKS"], f"ready-{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+plan = os.path.join(os.environ["MARKS"], "waiter")
+while not os.path.exists(plan):
+    time.sleep(0.05)
+waiter = int(open(plan).read())
+if rank == waiter:
+    open(os.path.join(os.environ["MARKS"], "waiting"), "w").close()
+    dist.recv(torch.ones(1), src=waiter + 1)  # it never sends
+while True:
+    dist.all_reduce(torch.ones(1), group=without[waiter])
+    time.sleep(0.01)
+"""
+
 SLOW = """
 import os, time
 import torch.distributed as dist
@@ -74,10 +100,12 @@ def _port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _agents(tmp: Path, script: Path, nodes: int, per_node: int) -> list[subprocess.Popen[str]]:
-    port = _port()
+def _agents(
+    tmp: Path, script: Path, nodes: int, per_node: int, bound: float = BOUND_S, port: int = 0
+) -> list[subprocess.Popen[str]]:
+    port = port or _port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
-    env.update({"MARKS": str(tmp), "OMP_NUM_THREADS": "1", "RANKWISE_PEER_TIMEOUT": str(BOUND_S)})
+    env.update({"MARKS": str(tmp), "OMP_NUM_THREADS": "1", "RANKWISE_PEER_TIMEOUT": str(bound)})
     return [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
@@ -105,6 +133,38 @@ def _ready(tmp: Path, agents: list[subprocess.Popen[str]]) -> dict[int, int]:
         assert all(a.poll() is None for a in agents), "an agent ended before the fault"
         time.sleep(0.1)
     return {int(p.name[6:]): int(p.read_text()) for p in tmp.glob("ready-*")}
+
+
+def _until(path: Path) -> None:
+    deadline = time.monotonic() + START_BOUND_S
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.05)
+
+
+def _listening_on(port: int) -> set[int]:
+    """The socket inodes listening on TCP `port` (IPv4 or IPv6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # 0A: LISTEN
+                found.add(int(fields[9]))
+    return found
+
+
+def _rendezvous_host(agents: list[subprocess.Popen[str]], port: int) -> int:
+    """The agent that holds the rendezvous store (whichever bound `port` first, here where
+    both agents share an address): its loss ends the other agent and its workers silently,
+    a torchrun limit (docs/library.md), so a test of survivors loses the other node."""
+    inodes = _listening_on(port)
+    for agent in agents:
+        for fd in Path(f"/proc/{agent.pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                    return agent.pid
+    raise AssertionError(f"no agent listens on the rendezvous port {port}")
 
 
 def _end(agents: list[subprocess.Popen[str]], pids: list[int]) -> None:
@@ -216,6 +276,46 @@ def test_a_frozen_node_is_named_from_every_labelled_collective(tmp_path: Path, o
         )
         for text in (stderr, error):
             assert _named(text) == {2, 3}, (rank, op, text[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+def test_a_survivor_waiting_on_a_live_survivor_is_told_the_loss(tmp_path: Path, fault: str) -> None:
+    """A survivor waits on another survivor alone, which finds the other node lost and ends:
+    torchrun then ends the waiter at once. The waiter names the lost ranks before that (told
+    through the store), not ended unheard while it waits out the bound itself. A bound of
+    20 s: the finder waits for the others to speak for a beat and 5 s, not for the bound."""
+    bound, port = 20, _port()
+    agents = _agents(tmp_path, _script(tmp_path, WAITER), 2, 2, bound=bound, port=port)
+    everything: list[int] = []
+    try:
+        pids = _ready(tmp_path, agents)
+        node_of = {r: _parent(pid) for r, pid in pids.items()}
+        kept = _rendezvous_host(agents, port)
+        survivors = sorted(r for r in pids if node_of[r] == kept)
+        lost = sorted(r for r in pids if node_of[r] != kept)
+        (tmp_path / "waiter").write_text(str(survivors[0]))
+        everything = [a.pid for a in agents] + list(pids.values())
+        _until(tmp_path / "waiting")  # written just before its recv (reached or not, the same)
+        started = time.monotonic()
+        for pid in [node_of[lost[0]]] + [pids[r] for r in lost]:
+            os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
+        while any(_alive(pids[r]) for r in survivors):
+            assert time.monotonic() - started < bound + GRACE_S, "survivors still running"
+            time.sleep(0.2)
+    finally:
+        _end(agents, everything)
+    logs = [tmp_path / "logs-0", tmp_path / "logs-1"]
+    for rank in survivors:
+        stderr, error = next(
+            (said for said in (_said(log, rank) for log in logs) if said[0]), ("", "")
+        )
+        for text in (stderr, error):
+            assert _named(text) == set(lost), (rank, fault, text[-3000:], stderr[-3000:])
+    waiter = _said(logs[0], survivors[0])[0] or _said(logs[1], survivors[0])[0]
+    if fault == "kill" and 0 not in lost:  # it found no closed connection itself: told
+        assert f"(as rank {survivors[1]} found)" in waiter, waiter[-3000:]
+    assert_all_gone(everything, timeout=60)
 
 
 @pytest.mark.slow
