@@ -10,7 +10,7 @@ PLUGINS_VENV := .venv-plugins
 PLUGINS_STAMP := $(PLUGINS_VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-plugins test-cluster test-loaded test-deepspeed bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-neighbour test-plugins test-cluster test-loaded test-deepspeed bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,13 +35,13 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation and not plugins and not deepspeed and not cluster" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow and not gpu and not isolation and not neighbour and not plugins and not deepspeed and not cluster" -ra
 
 # Whole-process checks (pytest sessions in subprocesses: kills, Ctrl-C, start methods,
 # torchrun launches, adopted suites) and the failure matrix: 15 min on 2 cores (measured
 # 2026-12-03, load ~2; 25 min at load 10). CI runs it after test.
 test-slow: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation and not plugins and not deepspeed and not cluster" -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "slow and not gpu and not isolation and not neighbour and not plugins and not deepspeed and not cluster" -ra
 
 # The failure matrix at 2, 4 and 8 ranks (slow: minutes); also selected by -m slow.
 test-faults: $(STAMP)
@@ -52,6 +52,12 @@ test-faults: $(STAMP)
 # test-slow.
 test-isolation: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m isolation -ra
+
+# Plain tests probing the process state they see (their own, their children's of every
+# start method): identical without the plugin, with it, beside ranks tests, after a ranks
+# session and under --rank-adopt. Each a fresh pytest session: 1-2 min.
+test-neighbour: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m neighbour -ra
 
 # The plugins CI runs (pytest-cov and coverage run, pytest-randomly, hypothesis,
 # pytest-rerunfailures, pytest-repeat) against ranks tests at 2 and 4 ranks, warm and fresh:

@@ -93,9 +93,27 @@ class Adopter:
         judged as a ranks test is (every rank's end counts, the root cause first). `entry` is
         a module-level function (the base's per-rank entry point); `cls`, the test class,
         reaches each rank from its module as pytest imported it; `args` travel pickled."""
+        _running(self, item)
         spec = adopted_spec(item, world_size, timeout)
         targets = (packing.function_target(cls), packing.function_target(entry))
         run_and_judge(item, spec, adopted.run_with_class, (*targets, *args))
+
+    def run_function(
+        self,
+        item: pytest.Item,
+        world_size: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+    ) -> None:
+        """Run `item` on `world_size` warm ranks as a base that is a function starts its
+        processes (``spawn(fn, nprocs)``, ``torch.multiprocessing.spawn(fn, args)``):
+        `fn(rank, *args)` on each, judged as `run` judges. `fn` is module-level (each rank
+        imports its module, as pytest imported it); `args` travel pickled."""
+        _running(self, item)
+        spec = adopted_spec(item, world_size, timeout)
+        target = packing.function_target(fn)
+        run_and_judge(item, spec, adopted.run_spawned, (target, args))
 
     def note(self, item: pytest.Item, why: str) -> None:
         """`item`'s class runs as it is, and the session's summary says why, once."""
@@ -110,34 +128,53 @@ class AdopterError(Exception):
 
 _registry_key = pytest.StashKey[dict[str, Adopter]]()
 _asked_key = pytest.StashKey[frozenset[str]]()
+_project_key = pytest.StashKey[set[str]]()  # the adopters a project registered (the hook)
 
 
 def register_adopters(config: pytest.Config, built_in: list[Adopter]) -> None:
-    """The session's adopters: the harness's own (`built_in`), then the projects' (the
-    ``pytest_harness_adopters`` hook); ``--rank-adopt`` must name registered ones. What the
-    asked ones give the warm layer is handed over (adopters.py). A bad one: a usage error."""
-    found = {a.name: a for a in built_in}
+    """The session's adopters as pytest configures: the harness's own (`built_in`), then
+    the projects' from plugins and initial conftests (the ``pytest_harness_adopters``
+    hook). What the asked ones give the warm layer is handed over (adopters.py). A bad one:
+    a usage error. ``--rank-adopt``'s names are checked once the tests are collected: a
+    conftest below the rootdir registers its adopter as pytest collects its directory."""
+    config.stash[_registry_key] = {a.name: a for a in built_in}
+    config.stash[_project_key] = set()
+    _register_projects(config)
+    config.stash[_asked_key] = settings_of(config).adopt
+    chosen = asked(config)
+    libraries = frozenset(name for a in chosen for name in a.libraries)
+    adopters.give(config, libraries, [fn for a in chosen for fn in a.endings(config)])
+
+
+def _register_projects(config: pytest.Config) -> None:
+    """The projects' adopters the hook gives now (each name once: a conftest's hook asked
+    again gives a new instance of the same class, which changes nothing)."""
+    found = config.stash[_registry_key]
     for given in config.hook.pytest_harness_adopters(config=config):
         for adopter in given or ():
+            known = found.get(getattr(adopter, "name", None))  # type: ignore[arg-type]
+            if known is not None and type(known) is type(adopter):
+                continue
             why = _why_refused(adopter, found)
             if why is not None:
                 raise pytest.UsageError(f"harness: {why}")
             found[adopter.name] = adopter
-    asked_for = settings_of(config).adopt
-    unknown = sorted(asked_for - set(found))
+            config.stash[_project_key].add(adopter.name)
+
+
+def _check_asked(config: pytest.Config) -> None:
+    """Every name --rank-adopt gives is a registered adopter's, now that every conftest of
+    the session has registered its own."""
+    found = registered(config)
+    unknown = sorted(config.stash.get(_asked_key, frozenset()) - set(found))
     if unknown:
         given = config.getoption("rank_adopt", None)
         origin = "--rank-adopt" if given is not None else "ini option 'rank_adopt'"
         fix = (
             f"use {', '.join(found)} (a project registers its own base's adopter with the "
-            f"pytest_harness_adopters hook)"
+            f"pytest_harness_adopters hook, in a conftest or plugin)"
         )
         raise pytest.UsageError(f"harness: {invalid('rank_adopt', ','.join(unknown), origin, fix)}")
-    config.stash[_registry_key] = found
-    config.stash[_asked_key] = asked_for
-    chosen = asked(config)
-    libraries = frozenset(name for a in chosen for name in a.libraries)
-    adopters.give(config, libraries, [fn for a in chosen for fn in a.endings(config)])
 
 
 def _why_refused(adopter: Any, found: dict[str, Adopter]) -> str | None:
@@ -190,6 +227,9 @@ def session_state(config: pytest.Config, key: pytest.StashKey[_T], make: Callabl
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _registry_key in config.stash:
+        _register_projects(config)  # the conftests pytest found as it collected
+        _check_asked(config)
     for adopter in asked(config):
         adopter.collected(config, items)
 
@@ -203,9 +243,50 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
+    claimed = _claimed_by_a_project(item)
+    item.config.stash[_calling_key] = (item, set())
     for adopter in asked(item.config):
         adopter.calling(item)
-    return (yield)
+    try:
+        result = yield
+    finally:
+        _, ran = item.config.stash[_calling_key]
+        del item.config.stash[_calling_key]
+    if claimed is not None and claimed.name not in ran:
+        raise AdopterError(
+            f"harness: adopter {claimed.name!r} ({type(claimed).__qualname__}) claims "
+            f"{item.nodeid} but did not run it on ranks: its calling() must point the base's "
+            f"spawn at self.run(item, ...) (or self.run_function) for this item, or its "
+            f"claims() leave the class alone"
+        )
+    return result
+
+
+# The test being called, and the adopters that ran it on ranks.
+_calling_key = pytest.StashKey[tuple[pytest.Item, set[str]]]()
+
+
+def _claimed_by_a_project(item: pytest.Item) -> Adopter | None:
+    """The project's adopter (one the session asked for) that claims `item`'s class."""
+    cls = getattr(item, "cls", None)
+    projects = item.config.stash.get(_project_key, set())
+    if not isinstance(cls, type):
+        return None
+    return next((a for a in asked(item.config) if a.name in projects and a.claims(cls)), None)
+
+
+def _running(adopter: Adopter, item: pytest.Item) -> None:
+    """`adopter` runs `item` on ranks: the test being called, or an error naming it."""
+    calling = item.config.stash.get(_calling_key, None)
+    if calling is not None and calling[0] is not item:
+        raise AdopterError(
+            f"harness: adopter {adopter.name!r} ({type(adopter).__qualname__}) ran "
+            f"{item.nodeid} while {calling[0].nodeid} was being called: pass run() the item "
+            f"given to calling() for this test (an item kept from an earlier test labels "
+            f"the report with the wrong test)"
+        )
+    if calling is not None:
+        calling[1].add(adopter.name)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -65,7 +65,11 @@ def ended_by(
 
 
 def _pytest_outcome(exc: BaseException) -> Ending | None:
-    """SKIPPED or XFAILED for pytest's own skip and xfail, not for a class named alike."""
+    """SKIPPED or XFAILED for pytest's own skip and xfail, not for a class named alike;
+    SKIPPED for ``unittest.SkipTest`` too, as pytest takes it in any test."""
+    unittest = sys.modules.get("unittest")
+    if unittest is not None and isinstance(exc, unittest.SkipTest):
+        return Ending.SKIPPED
     if type(exc).__name__ not in PYTEST_OUTCOMES:
         return None
     from harness.common.pytest_internals import Skipped, XFailed

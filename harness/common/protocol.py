@@ -252,6 +252,8 @@ class RunTask:
     cwd: str = "."
     env: dict[str, str] | None = None  # the pytest process's at run time; None: leave the rank's
     current_test: str | None = None  # its PYTEST_CURRENT_TEST, apart: it changes every run
+    # The pytest process's default start method as the test sees it there (None: not set).
+    start_method: str | None = None
     # The session's secret for the keys the ranks write in the pytest process's store (see
     # signing.py): it travels over the rank's private pipe only.
     secret: bytes | None = None

@@ -9,6 +9,7 @@ Runs only in ranks; ``worker`` serves tasks and restores the process after each.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import sys
 import time
@@ -96,7 +97,10 @@ class WarmBody:
         task = self._task
         loader.finder.learn(task.target)  # first: those classes may live where only pytest looks
         run = decode_args(task.args_blob)
+        multiprocessing.set_start_method(None, force=True)  # the module's import may set it
         self._fn = loader.resolve(task.target, run.instance_state, run.class_state)
+        if multiprocessing.get_start_method(allow_none=True) is None and task.start_method:
+            multiprocessing.set_start_method(task.start_method)  # a conftest's, say
         self._args, self._kwargs, self._plan = run.args, run.kwargs, run.fixtures
         return task.load_faults()
 

@@ -1,16 +1,24 @@
-"""multiprocessing's fork server, which every rank is a fork of: its start (with what it
+"""The harness's fork server, which every rank is a fork of: its start (with what it
 preloads, harness/preload.py), its socket directory, and its end with the session.
 
-The server is one per process; the pytest process starts it when a first pool needs ranks.
+It is multiprocessing's fork server program, but an instance of the harness's own: never
+the module's global one, which a test's own ``get_context("forkserver")`` uses. A test's
+children then come from a server of its own making (its environment, its preload), as
+without the plugin. The pytest process starts it when a first pool needs ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import multiprocessing
-import multiprocessing.forkserver  # imported with the pool, so its one server is never orphaned
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.reduction
 import multiprocessing.resource_tracker
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
@@ -40,6 +48,49 @@ SERVER_PRELOAD = [
 # a safety net, where no list is asked (its import of torch and the worker before it is
 # bounded on time without progress, as a pool's start is: start_watch.py).
 SERVER_START_S = 120.0
+
+
+# The harness's own server: the program is multiprocessing's, the instance (its pid, socket,
+# preload list) is not the module's global `_forkserver`.
+_server: Any = multiprocessing.forkserver.ForkServer()
+
+
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen, asking the harness's server for the fork."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = multiprocessing.spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            multiprocessing.reduction.dump(prep_data, buf)
+            multiprocessing.reduction.dump(process_obj, buf)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        fds: list[int] = getattr(self, "_fds")  # noqa: B009  # the Popen's own, untyped
+        self.sentinel, w = _server.connect_to_new_process(fds)
+        # a duplicate of the data pipe's write end: the child's sign that this process lives
+        parent_w = os.dup(w)
+        close_fds: Any = getattr(multiprocessing.util, "close_fds")  # noqa: B009  # untyped
+        self.finalizer = multiprocessing.util.Finalize(self, close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+
+
+class _Process(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
+
+
+class _Context(multiprocessing.context.ForkServerContext):
+    """A forkserver context whose processes are forks of the harness's server."""
+
+    Process = _Process
+
+
+_CONTEXT = _Context()
 
 
 class ServerStartError(RuntimeError):
@@ -79,7 +130,7 @@ def start_early(workdir: Path, early: Sequence[str]) -> bool:
     global _waiting
     if _server_pid() is not None or not _harness_importable_there():
         return False
-    _prepare(multiprocessing.get_context("forkserver"))
+    _prepare()
     directory = _launch(workdir, early)
     pid = _server_pid()
     _waiting = None if pid is None else _Early(directory, pid)
@@ -116,10 +167,10 @@ def context(
     handed them if it was started early. Also returns what it preloaded: None when it was
     already running without a preload, or there is no plan."""
     global _waiting
-    ctx = multiprocessing.get_context(start_method)
     if start_method != "forkserver":
-        return ctx, None
-    _prepare(ctx)
+        return multiprocessing.get_context(start_method), None
+    ctx = _CONTEXT
+    _prepare()
     plan = plan or PreloadPlan((), SERVER_START_S)
     early, _waiting = _waiting, None
     if early is not None and _server_pid() == early.pid:
@@ -189,9 +240,9 @@ def _harness_importable_there() -> bool:
     return _importable
 
 
-def _prepare(ctx: Any) -> None:
+def _prepare() -> None:
     _socket_dir_short_enough()
-    ctx.set_forkserver_preload(SERVER_PRELOAD)
+    _server.set_forkserver_preload(SERVER_PRELOAD)
 
 
 def socket_directory() -> str | None:
@@ -204,9 +255,24 @@ def socket_directory() -> str | None:
 
 def _server_pid() -> int | None:
     """The running server's pid (never reaped here: multiprocessing reaps its own)."""
-    server: Any = multiprocessing.forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
+    pid = getattr(_server, "_forkserver_pid", None)
     return int(pid) if pid is not None and reaper.alive(pid) else None
+
+
+@contextlib.contextmanager
+def default_start_method_kept() -> Iterator[None]:
+    """Start a rank without fixing this process's default start method.
+
+    CPython reads the default start method while preparing a forkserver or spawn child (and
+    a fork server that preloads), which fixes it when nothing had: a later test's own
+    ``multiprocessing.set_start_method`` would then raise "context has already been set".
+    """
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if before is None:
+            multiprocessing.set_start_method(None, force=True)  # back to unset
 
 
 def _launch(workdir: Path, early: Sequence[str]) -> Path:
@@ -218,8 +284,8 @@ def _launch(workdir: Path, early: Sequence[str]) -> Path:
     (directory / "early.env").write_text(json.dumps(dict(os.environ)))  # 0700, as modules.env
     os.environ[PRELOAD_DIR] = str(directory)  # read, then dropped, by the server
     try:
-        with _output_into(directory / "output"):
-            multiprocessing.forkserver.ensure_running()
+        with _output_into(directory / "output"), default_start_method_kept():
+            _server.ensure_running()
     finally:
         os.environ.pop(PRELOAD_DIR, None)
     return directory
@@ -380,7 +446,7 @@ def _kill_server() -> bool:
     when next asked. False when none was started."""
     global _waiting
     _waiting = None
-    server: Any = multiprocessing.forkserver._forkserver
+    server = _server
     with server._lock:
         pid = getattr(server, "_forkserver_pid", None)
         if pid is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing
 import os
 import shutil
 import sys
@@ -62,10 +63,11 @@ class Pools:
         self._kept: dict[PoolKey, tuple[str, float]] = {}
         self._serial = itertools.count(1)
         self._workdir = workdir.make()
-        # SIGTERM and SIGHUP (a cancelled CI job, a closed terminal) kill the ranks and remove
-        # the work directory first: their default would end this process without a word.
+        # SIGTERM and SIGHUP (a cancelled CI job, a closed terminal) during a run kill the
+        # ranks and remove the work directory first: their default would end this process
+        # without a word. Taken only while a run goes on: a plain test keeps its handlers.
         self._signals = workdir.EndingSignals(self._end_now)
-        self._signals.take()
+        self._running = 0
         self.started_pids: set[int] = set()
         # Pools running a run now: a second run for the same key at once (a join=False spawn,
         # then another) gets spare ranks, never a place in the queue of busy ones.
@@ -139,6 +141,24 @@ class Pools:
         A set-up that failed on every rank (the body never ran) is tried again with a fresh
         group, up to SET_UP_ATTEMPTS times within the run's own bound.
         """
+        with self._ending_signals_taken():
+            return self._run(request)
+
+    @contextlib.contextmanager
+    def _ending_signals_taken(self) -> Any:
+        with self._lock:
+            self._running += 1
+            if self._running == 1:
+                self._signals.take()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._signals.give_back()
+
+    def _run(self, request: RunRequest) -> list[RankOutcome]:
         deadline = time.monotonic() + request.spec.timeout_s
         for attempt in range(1, SET_UP_ATTEMPTS + 1):
             remaining = deadline - time.monotonic()
@@ -229,6 +249,7 @@ class Pools:
             cwd=os.getcwd(),
             env=env,
             current_test=current_test,
+            start_method=multiprocessing.get_start_method(allow_none=True),
             coverage=measured.setup_for_ranks(self.coverage_dir),
         )
         return task.for_ranks(spec.world_size), launch_store

@@ -106,9 +106,10 @@ _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> list[str] | None:
     """What a fork server started before collection ends imports first (the last session's
     list, from pytest's cache, and an adopted suite's library where it can be found now),
-    or None where starting one early is not wanted: only where ranks are likely needed (the
-    last session started them, --rank-adopt is on, or a ranks test was just collected), and
-    never in xdist's controller (its workers run the tests) or under torchrun."""
+    or None where starting one early is not wanted: only where this session needs ranks
+    (--rank-adopt is on, or a ranks test was just collected; never for what the cache says
+    of the last session: a session of plain tests starts none), and never in xdist's
+    controller (its workers run the tests) or under torchrun."""
     session = settings_of(config)
     if session.preload != "auto" or session.start_method != "forkserver":
         return None
@@ -116,7 +117,7 @@ def start_early_wanted(config: pytest.Config, ranks_collected: bool = False) -> 
         return None
     cache = getattr(config, "cache", None)
     last = cache.get(CACHE_KEY, None) if cache is not None else None
-    if last is None and not session.adopt and not ranks_collected:
+    if not session.adopt and not ranks_collected:
         return None
     found = [name for name in sorted(adopted_libraries(config)) if _findable(name)]
     return [*(_trusted(last) if isinstance(last, list) else []), *found]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import mmap
-import multiprocessing
 import os
 import select
 import signal
@@ -35,6 +34,7 @@ from harness.common.protocol import (
     decode_counts,
     decode_where,
 )
+from harness.warm import forkserver
 from harness.warm.live_output import LiveStreams, RunOutput, tail
 from harness.warm.run_loop import Cut, RunEnd, RunLoop
 from harness.warm.start_watch import CHECK_S, StartWatch
@@ -75,7 +75,7 @@ class Slot:
         self.process = ctx.Process(
             target=entry.main, args=(child, self.files), name=f"harness-rank{rank}"
         )
-        with _main_module_hidden(), _default_start_method_kept():
+        with _main_module_hidden(), forkserver.default_start_method_kept():
             self.process.start()
         child.close()
         self.pid: int = self.process.pid
@@ -164,22 +164,6 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         main.__dict__.update(saved)
-
-
-@contextlib.contextmanager
-def _default_start_method_kept() -> Iterator[None]:
-    """Start a rank without fixing this process's default start method.
-
-    CPython reads the default start method while preparing a forkserver or spawn child,
-    which fixes it when nothing had: a later test's own ``multiprocessing.set_start_method``
-    would then raise "context has already been set".
-    """
-    before = multiprocessing.get_start_method(allow_none=True)
-    try:
-        yield
-    finally:
-        if before is None:
-            multiprocessing.set_start_method(None, force=True)  # back to unset
 
 
 class Pool:

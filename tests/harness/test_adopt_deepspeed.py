@@ -257,11 +257,12 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
 
 
 PRELOADED_EARLY = """
-import multiprocessing.forkserver, os
+import os
+from harness.warm import forkserver
 import deepspeed
 from ds_common import DistributedTest
 
-SERVER_WHILE_COLLECTING = multiprocessing.forkserver._forkserver._forkserver_pid
+SERVER_WHILE_COLLECTING = forkserver._server._forkserver_pid  # the harness's own
 
 
 class TestRanks(DistributedTest):
@@ -271,7 +272,7 @@ class TestRanks(DistributedTest):
 
 def test_the_server_started_while_collecting_ran_them():
     assert SERVER_WHILE_COLLECTING is not None
-    assert multiprocessing.forkserver._forkserver._forkserver_pid == SERVER_WHILE_COLLECTING
+    assert forkserver._server._forkserver_pid == SERVER_WHILE_COLLECTING
 """
 
 

@@ -165,3 +165,179 @@ def test_an_adopter_that_cannot_be_registered_says_why(pytester: pytest.Pytester
     result = pytester.runpytest_subprocess("-p", "harness")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*Again: its name 'torch' must be new*(taken: torch, deepspeed)*"])
+
+
+def test_an_adopter_in_a_conftest_below_the_rootdir_is_registered(
+    pytester: pytest.Pytester,
+) -> None:
+    """A conftest pytest reaches only as it collects (sub/conftest.py) registers its adopter
+    too: --rank-adopt's names are checked once the tests are collected. With the harness off
+    the same suite runs as it is."""
+    sub = pytester.mkpydir("sub")
+    (sub / "conftest.py").write_text(CONFTEST)
+    (sub / "test_mine.py").write_text(TESTS)
+    pytester.makepyfile(mybase=MYBASE)
+    pytester.syspathinsert()
+    adopted = pytester.runpytest_subprocess("-p", "harness", "--rank-adopt", "mybase", "-rA")
+    adopted.assert_outcomes(passed=1, failed=1)
+    adopted.stdout.fnmatch_lines(["*rank 1 failed: called sys.exit(3)*test_rank_1_exits*"])
+    off = pytester.runpytest_subprocess("-p", "no:harness", "-rA")
+    off.assert_outcomes(passed=2)
+    wrong = pytester.runpytest_subprocess("-p", "harness", "--rank-adopt", "mine")
+    assert wrong.ret == pytest.ExitCode.USAGE_ERROR
+    wrong.stderr.fnmatch_lines(["*invalid rank_adopt 'mine'*use torch, deepspeed, mybase*"])
+
+
+# A base that is a function, as ColossalAI's `spawn(fn, nprocs)`: each process runs
+# `fn(rank)` (through `_run(rank, ...)`); the parent reads rank 0's exit status alone.
+SPAWN_BASE = """
+import multiprocessing, os, tempfile
+import torch.distributed as dist
+
+
+def _run(rank, fn, nprocs, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nprocs)
+    try:
+        fn(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs):
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_run, args=(r, fn, nprocs, store)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert procs[0].exitcode == 0, f"rank 0 exited with {procs[0].exitcode}"
+"""
+
+SPAWN_CONFTEST = """
+import os, tempfile
+import harness, pytest
+import spawnbase
+
+_real = spawnbase.spawn
+
+
+class SpawnAdopter(harness.Adopter):
+    name = "spawnbase"
+
+    def calling(self, item):  # a function test: no class to claim; its spawn on warm ranks
+        def spawn(fn, nprocs):
+            store = os.path.join(tempfile.mkdtemp(), "store")
+            self.run_function(item, nprocs, spawnbase._run, fn, nprocs, store)
+
+        spawnbase.spawn = spawn
+
+    def ended(self, config):
+        spawnbase.spawn = _real
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_harness_adopters(config):
+    return [SpawnAdopter()]
+"""
+
+SPAWN_TESTS = """
+import sys
+import torch, torch.distributed as dist
+import spawnbase
+
+
+def _sum(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+def _exits(rank):
+    if rank == 1:
+        sys.exit(3)
+
+
+def test_sum():
+    spawnbase.spawn(_sum, 2)
+
+
+def test_rank_1_exits():
+    spawnbase.spawn(_exits, 2)
+"""
+
+
+def test_a_base_that_is_a_function_is_adopted(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(spawnbase=SPAWN_BASE, test_spawned=SPAWN_TESTS)
+    pytester.makeconftest(SPAWN_CONFTEST)
+    pytester.syspathinsert()
+    pytester.runpytest_subprocess("-p", "harness", "-rA").assert_outcomes(passed=2)  # as it is
+    adopted = pytester.runpytest_subprocess("-p", "harness", "--rank-adopt", "spawnbase", "-rA")
+    adopted.assert_outcomes(passed=1, failed=1)
+    adopted.stdout.fnmatch_lines(
+        ["*rank 1 failed: called sys.exit(3)  [[]2 ranks, test_spawned.py::test_rank_1_exits[]]"]
+    )
+
+
+@pytest.mark.parametrize("mistake", ["never runs it", "runs an earlier test's item"])
+def test_an_adopter_that_claims_a_test_and_does_not_run_it_is_named(
+    pytester: pytest.Pytester, mistake: str
+) -> None:
+    if mistake == "never runs it":
+        calling = "        pass  # forgot to point the base's spawn at self.run"
+    else:
+        calling = (
+            "        first = self.__dict__.setdefault('first', item)  # kept from the first test\n"
+            "        case = item.instance\n"
+            "        case.spawn = lambda body: self.run(first, 2, mybase.run_rank, type(case),\n"
+            "                                           body.__name__, 2, '/nonexistent')"
+        )
+    conftest = CONFTEST.split("    def calling(self, item):")[0]
+    conftest += f"    def calling(self, item):\n{calling}\n\n\n"
+    conftest += "@pytest.hookimpl(optionalhook=True)\ndef pytest_harness_adopters(config):\n"
+    conftest += "    return [MyBaseAdopter()]\n"
+    pytester.makepyfile(mybase=MYBASE, test_mine=TESTS)
+    pytester.makeconftest(conftest)
+    pytester.syspathinsert()
+    result = pytester.runpytest_subprocess("-p", "harness", "--rank-adopt", "mybase", "-p",
+                                           "no:randomly")  # fmt: skip
+    if mistake == "never runs it":
+        result.assert_outcomes(failed=2)
+        result.stdout.fnmatch_lines(
+            ["*AdopterError: harness: adopter 'mybase' (MyBaseAdopter) claims "
+             "test_mine.py::TestMine::test_rank_1_exits but did not run it on ranks*"]
+        )  # fmt: skip
+    else:
+        result.assert_outcomes(failed=1, passed=1)  # the first test is its own
+        result.stdout.fnmatch_lines(
+            ["*AdopterError: harness: adopter 'mybase' (MyBaseAdopter) ran "
+             "test_mine.py::TestMine::test_sum while test_mine.py::TestMine::test_rank_1_exits "
+             "was being called*"]
+        )  # fmt: skip
+
+
+def test_unittest_s_skip_in_ranks_skips_as_pytest_takes_it(project: pytest.Pytester) -> None:
+    """pytest takes ``unittest.SkipTest`` as a skip in any test: raised on every rank, under a
+    project's adopter or in a ranks test, the test is skipped with its reason (it failed)."""
+    project.makepyfile(
+        test_skips="""
+        import unittest, pytest
+        from mybase import DistTest
+
+        class TestSkips(DistTest):
+            def _skips(self, rank):
+                raise unittest.SkipTest("needs 2 GPUs")
+
+            def test_skips(self):
+                self.spawn(self._skips)
+
+        @pytest.mark.ranks(2)
+        def test_ranks_skip(rank):
+            raise unittest.SkipTest("needs 2 GPUs")
+        """
+    )
+    result = project.runpytest_subprocess(
+        "-p", "harness", "--rank-adopt", "mybase", "-rs", "test_skips.py"
+    )
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["SKIPPED [[]*needs 2 GPUs"] * 2)

@@ -177,11 +177,12 @@ def test_the_fork_server_is_gone_when_pytest_exits(pytester: pytest.Pytester) ->
     # multiprocessing's resource tracker, started with it.
     pytester.makeconftest(
         """
-import multiprocessing.forkserver, multiprocessing.resource_tracker, pytest
+import multiprocessing.resource_tracker, pytest
+from harness.warm import forkserver
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    pid = forkserver._server._forkserver_pid  # the harness's own server
     open("forkserver.pid", "w").write(str(pid))
     pid = multiprocessing.resource_tracker._resource_tracker._pid
     open("tracker.pid", "w").write(str(pid))

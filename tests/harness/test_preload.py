@@ -157,18 +157,21 @@ def test_a_preload_that_hangs_or_kills_the_server_fails_one_test_only(
 
 
 EARLY = """
-import multiprocessing.forkserver, os, pytest
+import multiprocessing, os, pytest
 import installed_mod
+from harness.warm import forkserver
 
 
 def test_a_plain_test_first():  # in the pytest process, before any rank test
-    running = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+    running = forkserver._server._forkserver_pid is not None  # the harness's own server
     assert running == (os.environ["EXPECT_EARLY"] == "1")
-    if running:  # it serves the test's own children at once, though no rank asked for it
-        child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0
+    # the test's own children come from a server of its own, started now
+    child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    theirs = multiprocessing.forkserver._forkserver._forkserver_pid  # the module's global one
+    assert theirs is not None and forkserver._server._forkserver_pid != theirs
 
 
 @pytest.mark.ranks(2)
@@ -182,9 +185,8 @@ def test_the_fork_server_starts_during_collection_where_ranks_are_needed(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its imports (torch, the worker, what the last session preloaded) overlap the
-    # collection: from its start once a session started ranks, else from the first ranks
-    # test collected (a fresh clone, as CI runs, has no cache to remember). A session with
-    # no ranks test after one without ranks starts none (nor --collect-only).
+    # collection: from the first module that names ranks. A session with no ranks test
+    # starts none, whatever pytest's cache says of the last one (nor --collect-only).
     _project(inner)
     inner.makepyfile(test_early=EARLY, test_plain_only=EARLY.split("@pytest.mark.ranks")[0])
     run = functools.partial(inner.runpytest_subprocess, "-p", "harness", timeout=300)
@@ -192,19 +194,19 @@ def test_the_fork_server_starts_during_collection_where_ranks_are_needed(
     run("test_plain_only.py").assert_outcomes(passed=1)
     run("--collect-only")
     monkeypatch.setenv("EXPECT_EARLY", "1")
-    run("test_early.py").assert_outcomes(passed=2)  # the first session: at its ranks test
-    run("test_plain_only.py").assert_outcomes(passed=1)  # the last one started ranks
+    run("test_early.py").assert_outcomes(passed=2)  # at its ranks module's collection
     monkeypatch.setenv("EXPECT_EARLY", "0")
-    run("test_plain_only.py").assert_outcomes(passed=1)  # the last one started none
+    run("test_plain_only.py").assert_outcomes(passed=1)  # the last one started ranks: none
     monkeypatch.setenv("EXPECT_PRELOADED", "0")
     run("--rank-preload", "none", "test_early.py").assert_outcomes(passed=2)
 
 
 IMPORTED_AFTER_THE_START = """
-import multiprocessing.forkserver, pytest
+import pytest
+from harness.warm import forkserver
 
 # The module's own imports (torch, here) would overlap the server's import of torch.
-SERVER_AT_IMPORT = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+SERVER_AT_IMPORT = forkserver._server._forkserver_pid is not None
 
 
 def test_the_server_was_there_as_the_module_was_imported():
@@ -263,10 +265,11 @@ def test_an_early_server_imports_with_the_environment_the_conftests_set(
 
 
 KEPT = """
-import multiprocessing.forkserver, os, pytest
+import os, pytest
 import installed_mod
+from harness.warm import forkserver
 
-SERVER_WHILE_COLLECTING = multiprocessing.forkserver._forkserver._forkserver_pid
+SERVER_WHILE_COLLECTING = forkserver._server._forkserver_pid  # the harness's own
 
 
 @pytest.mark.ranks(2)
@@ -277,7 +280,7 @@ def test_ranks(rank):
 def test_the_server_started_early_ran_them():
     if os.environ["EXPECT_EARLY"] == "1":
         assert SERVER_WHILE_COLLECTING is not None
-        assert multiprocessing.forkserver._forkserver._forkserver_pid == SERVER_WHILE_COLLECTING
+        assert forkserver._server._forkserver_pid == SERVER_WHILE_COLLECTING
 """
 
 

@@ -1173,6 +1173,43 @@ def test_starting_ranks_leaves_multiprocessing_default_start_method_unset(
         multiprocessing.set_start_method(saved, force=True)
 
 
+def test_a_conftest_sets_its_own_start_method_in_the_ranks_too(inner: pytest.Pytester) -> None:
+    # A rank was started with its parent's default start method set (multiprocessing's
+    # preparation data): the conftest's set_start_method("spawn"), imported again in the
+    # rank, raised there "context has already been set", or read back another method.
+    inner.makeconftest(
+        """
+        import multiprocessing
+
+        multiprocessing.set_start_method("spawn")
+        """
+    )
+    inner.makepyfile(
+        """
+        import multiprocessing, pytest
+
+        @pytest.mark.ranks(2)
+        def test_on_ranks(rank):
+            assert multiprocessing.get_start_method() == "spawn"
+
+        def test_plain():
+            assert multiprocessing.get_start_method() == "spawn"
+        """
+    )
+    inner.makepyfile(
+        test_its_module_sets_it="""
+        import multiprocessing, pytest
+
+        multiprocessing.set_start_method("spawn", force=True)  # imported again in the rank
+
+        @pytest.mark.ranks(2)
+        def test_on_ranks_too(rank):
+            assert multiprocessing.get_start_method() == "spawn"
+        """
+    )
+    inner.runpytest_subprocess("-p", "harness").assert_outcomes(passed=3)
+
+
 def test_a_ranks_log_records_reach_the_reports_captured_log(inner: pytest.Pytester) -> None:
     inner.makeini("[pytest]\nrank_timeout = 30\nlog_level = INFO\n")
     inner.makepyfile(
