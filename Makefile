@@ -10,7 +10,7 @@ PLUGINS_VENV := .venv-plugins
 PLUGINS_STAMP := $(PLUGINS_VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-neighbour test-plugins test-cluster test-loaded test-deepspeed bench gpu clean
+.PHONY: demo test lint typecheck unit test-slow test-faults test-isolation test-neighbour test-plugins test-cluster test-versions test-loaded test-deepspeed bench gpu clean
 
 $(STAMP): pyproject.toml ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ test-isolation: $(STAMP)
 # session and under --rank-adopt. Each a fresh pytest session: 1-2 min.
 test-neighbour: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m neighbour -ra
+
+# make test's selection on the declared floors of torch and pytest and on the newest torch
+# PyPI serves (its CUDA build, on this GPU-less machine), each in a venv of its own under
+# .venv-versions/: about 30 min, so not in .ci/run; the last matrix is in docs/versions.md.
+test-versions:
+	bash ci/versions
 
 # The plugins CI runs (pytest-cov and coverage run, pytest-randomly, hypothesis,
 # pytest-rerunfailures, pytest-repeat) against ranks tests at 2 and 4 ranks, warm and fresh:

@@ -196,7 +196,7 @@ def request_info(item: pytest.Function) -> RequestInfo:
         ini=_picklable_once(config, "ini", inis),
         has_param=hasattr(request, "param"),
         param=getattr(request, "param", None),
-        flags=_picklable_once(config, "flags", dict(getattr(config._parser, "_opt2dest", {}))),
+        flags=_picklable_once(config, "flags", pytest_internals.option_flags(config)),
         path=str(item.path),
     )
 

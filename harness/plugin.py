@@ -24,6 +24,7 @@ from harness import (
     specs,
     timeout_interop,
     verdict,
+    versions,
 )
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
@@ -94,6 +95,7 @@ _sessions: set[pytest.Config] = set()  # the harness's sessions now configured i
 
 @pytest.hookimpl(trylast=True)  # after pytest-timeout has read its own settings
 def pytest_configure(config: pytest.Config) -> None:
+    versions.check()
     _sessions.add(config)
     for line in MARKERS:
         config.addinivalue_line("markers", line)

@@ -135,7 +135,7 @@ def test_the_wheel_holds_every_module_and_its_metadata(built: Path) -> None:
     assert sources - names == set(), "in the checkout, missing from the wheel"
     assert {n.split("/")[0] for n in names} == {"rankwise", "harness", info.split("/")[0]}
     assert "[pytest11]\nharness = harness" in entry_points
-    assert "Requires-Dist: torch>=2.6" in metadata
+    assert "Requires-Dist: torch>=2.13" in metadata
     # `pip install "rankwise[pytest]"` brings the harness's pytest; the license is an SPDX
     # expression (setuptools' license table is deprecated).
     assert "Provides-Extra: pytest" in metadata

@@ -38,10 +38,30 @@ def saferepr(value: object, maxsize: int | None) -> str:
 
 
 def fail_as_async() -> None:
-    """Raise pytest's failure for a coroutine test run without an async plugin."""
-    from _pytest.python import async_fail
+    """Raise pytest's failure for a coroutine test run without an async plugin (pytest
+    before 8.4 warns and skips such a test instead: so does a rank there)."""
+    import _pytest.python
 
-    async_fail("")
+    fail: Any = getattr(_pytest.python, "async_fail", None)
+    if fail is None:  # pytest < 8.4: its skip and words (its warning is the pytest side's)
+        pytest.skip("async def functions are not natively supported and have been skipped.")
+    fail("")
+
+
+def option_flags(config: pytest.Config) -> dict[str, str]:
+    """Each command-line flag of the session ("--rank-timeout") and the option it sets, as
+    ``request.config.getoption("--flag")`` reads them."""
+    parser: Any = config._parser
+    found = getattr(parser, "_opt2dest", None)
+    if isinstance(found, dict):
+        return dict(found)
+    flags: dict[str, str] = {}  # pytest before 8.1 keeps them only on each option
+    groups = [getattr(parser, "_anonymous", None), *getattr(parser, "_groups", [])]
+    for group in groups:
+        for option in getattr(group, "options", []):
+            for name in option.names():
+                flags[name] = option.dest
+    return flags
 
 
 def log_level(config: pytest.Config, setting: str) -> int | None:

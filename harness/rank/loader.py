@@ -169,10 +169,12 @@ def _install_explanations() -> None:
                 assertion_text_diff_style="ndiff",
             )
     else:
+        plain = types.SimpleNamespace(_highlight=lambda source, lexer="python": source)
         config = types.SimpleNamespace(
             get_verbosity=lambda *a: _Verbosity.level,
             getoption=lambda *a, **k: _Verbosity.level,
             getini=lambda *a: "",
+            get_terminal_writer=lambda: plain,  # pytest 8's colour, none in a rank's text
         )
 
         def lines(op: str, left: object, right: object) -> Any:

@@ -70,5 +70,14 @@ class NoTerminal(io.TextIOBase):
 
 
 def replace_stdin(rank_of: Any) -> None:
-    """Make this rank process's sys.stdin refuse reads; `rank_of()` gives the rank now."""
-    sys.stdin = NoTerminal(rank_of)
+    """Make this rank process's sys.stdin refuse reads; `rank_of()` gives the rank now. So
+    does ``breakpoint()``, at once: the debugger would read stdin all the same, after
+    readline had set LINES and COLUMNS in the rank's environment (a change the test never
+    made, which the hygiene check would blame on it)."""
+    terminal = NoTerminal(rank_of)
+    sys.stdin = terminal
+
+    def no_debugger(*args: Any, **kwargs: Any) -> None:
+        terminal.read()
+
+    sys.breakpointhook = no_debugger

@@ -3,6 +3,8 @@
 The public API is exactly the names below; everything else lives in private modules.
 """
 
+# ruff: noqa: E402  # the torch version is checked before the imports that need it
+
 from __future__ import annotations
 
 __all__ = [
@@ -29,6 +31,10 @@ __all__ = [
     "set_distribution_plan",
     "size",
 ]
+
+from rankwise import _versions
+
+_versions.require_torch()  # before the modules that use what an older torch lacks
 
 from rankwise._collectives import all_reduce, broadcast_from
 from rankwise._fsdp import fsdp2_wrap, is_fsdp2_model

@@ -189,7 +189,11 @@ def _within(module: nn.Module, params: set[nn.Parameter]) -> set[nn.Parameter]:
 
 
 def _mesh_device_type() -> str:
-    """The device type of the mesh fully_shard makes when given none: the accelerator's."""
+    """The device type of the mesh fully_shard makes when given none: the accelerator's,
+    where one is there to use. A CUDA build on a machine without a GPU (what a plain `pip
+    install torch` gives a CPU runner) names "cuda" as its accelerator all the same."""
+    if not torch.accelerator.is_available():
+        return "cpu"
     accelerator = torch.accelerator.current_accelerator()
     return accelerator.type if accelerator is not None else "cpu"
 

@@ -21,11 +21,16 @@ def test_an_async_test_fails_as_plain_pytest_fails_it(inner: pytest.Pytester) ->
         @pytest.mark.ranks(2)
         async def test_coroutine(rank):
             assert False, "never awaited, never run"
+
+        async def test_plain_coroutine():
+            assert False, "never awaited, never run"
         """
     )
-    result = inner.runpytest("-p", "harness")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*async def functions are not natively supported*"])
+    result = inner.runpytest_subprocess("-p", "harness", "-rs")
+    # pytest 8.4 and later fail such a test; before, it warned and skipped it: alike here.
+    plain_fails = tuple(int(n) for n in pytest.__version__.split(".")[:2]) >= (8, 4)
+    result.assert_outcomes(**({"failed": 2} if plain_fails else {"skipped": 2, "warnings": 1}))
+    result.stdout.fnmatch_lines(["*async def functions are not natively supported*"] * 2)
 
 
 def test_a_fault_whose_point_is_never_reached_fails_the_test(inner: pytest.Pytester) -> None:
