@@ -38,6 +38,7 @@ class DistTest:
 def run_rank(cls, name, world_size, store, *, rank):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world_size)
+    dist.barrier()  # every rank's group is up (a rank that returns at once tears its own down)
     try:
         getattr(cls(), name)(rank)
     finally:
@@ -197,6 +198,7 @@ import torch.distributed as dist
 
 def _run(rank, fn, nprocs, store):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nprocs)
+    dist.barrier()  # every rank's group is up (a rank that returns at once tears its own down)
     try:
         fn(rank)
     finally:
