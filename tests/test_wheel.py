@@ -139,7 +139,7 @@ def test_the_wheel_holds_every_module_and_its_metadata(built: Path) -> None:
     # `pip install "rankwise[pytest]"` brings the harness's pytest; the license is an SPDX
     # expression (setuptools' license table is deprecated).
     assert "Provides-Extra: pytest" in metadata
-    assert 'Requires-Dist: pytest>=8; extra == "pytest"' in metadata
+    assert 'Requires-Dist: pytest>=8.0; extra == "pytest"' in metadata
     assert "License-Expression: Apache-2.0" in metadata
     assert "Requires-Python: >=3.10" in metadata
     assert f"Version: {version('rankwise')}" in metadata

@@ -329,6 +329,17 @@ def test_after(rank):
 """
 
 
+def _until_listening(port: int, bound_s: float) -> None:
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.1)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -360,17 +371,22 @@ def test_two_agents_as_two_nodes_either_lost_mid_test(
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
     env.update({"MARKS": str(marks), "OMP_NUM_THREADS": "1"})
-    agents = [
-        subprocess.Popen(
+    # The first agent holds the rendezvous store (it binds the port before the second
+    # starts) and, its pid the lower, is node 0 (torch sorts the nodes by address and pid):
+    # losing the other node never takes the rendezvous with it, which would end the surviving
+    # agent and its workers before they say anything (torchrun's own limit).
+    agents = []
+    for i in range(2):
+        agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
              "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
              "--rdzv-id=two-nodes", f"--log-dir={pytester.path / f'logs-{i}'}", "-m",
              "pytest", "-p", "harness", "-p", "no:cacheprovider", "-rA", "test_nodes.py"],
             cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
-        )
-        for i in range(2)
-    ]  # fmt: skip
+        ))  # fmt: skip
+        if i == 0:
+            _until_listening(port, LAUNCH_BOUND_S)
     everything: list[int] = []
     try:
         deadline = time.monotonic() + LAUNCH_BOUND_S
