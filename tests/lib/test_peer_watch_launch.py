@@ -200,6 +200,24 @@ def _said(logs: Path, rank: int) -> tuple[str, str]:
     return stderr, error
 
 
+def _said_on_a_node(tmp: Path, rank: int) -> tuple[str, str]:
+    """`_said` from whichever of the two agents' log dirs holds `rank`'s."""
+    logs = (_said(tmp / f"logs-{i}", rank) for i in range(2))
+    return next((said for said in logs if said[0]), ("", ""))
+
+
+def _lose(pids: list[int], fault: str, survivors: list[int], bound_s: float) -> None:
+    """Freeze (SIGSTOP) or kill `pids`, then wait until every survivor's process has ended,
+    failing once `bound_s` has passed."""
+    started = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
+    while any(_alive(pid) for pid in survivors):
+        took = time.monotonic() - started
+        assert took < bound_s, f"survivors {survivors} still running {bound_s:g} s after the fault"
+        time.sleep(0.2)
+
+
 def _named(text: str) -> set[int]:
     """The ranks a rankwise message names as lost ("ranks 2, 3 (host ...)")."""
     found = re.findall(r"ranks? ([\d, ]+) \((?:host|rank 0's node)", text)
@@ -224,21 +242,12 @@ def test_every_survivor_names_the_lost_node_within_the_bound(
         lost = sorted(r for r in pids if node_of[r] == lost_agent)
         survivors = sorted(r for r in pids if r not in lost)
         everything = [a.pid for a in agents] + list(pids.values())
-        started = time.monotonic()
-        for pid in [lost_agent] + [pids[r] for r in lost]:
-            os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
-        while any(_alive(pids[r]) for r in survivors):
-            assert time.monotonic() - started < BOUND_S + GRACE_S, (
-                f"survivors {survivors} still running {BOUND_S + GRACE_S} s after the fault"
-            )
-            time.sleep(0.2)
+        lost_pids = [lost_agent] + [pids[r] for r in lost]
+        _lose(lost_pids, fault, [pids[r] for r in survivors], BOUND_S + GRACE_S)
     finally:
         _end(agents, everything)
-    logs = [tmp_path / "logs-0", tmp_path / "logs-1"]
     for rank in survivors:
-        stderr, error = next(
-            (said for said in (_said(log, rank) for log in logs) if said[0]), ("", "")
-        )
+        stderr, error = _said_on_a_node(tmp_path, rank)
         for text in (stderr, error):
             named = _named(text)
             assert named and named <= set(lost), (rank, lost, text[-3000:], stderr[-3000:])
@@ -260,20 +269,13 @@ def test_a_frozen_node_is_named_from_every_labelled_collective(tmp_path: Path, o
         node_of = {r: _parent(pid) for r, pid in pids.items()}
         frozen = next(a.pid for a in agents if a.pid != node_of[0])
         everything = [a.pid for a in agents] + list(pids.values())
-        started = time.monotonic()
-        for pid in [frozen] + [pid for r, pid in pids.items() if node_of[r] == frozen]:
-            os.kill(pid, signal.SIGSTOP)
         survivors = [r for r in pids if node_of[r] != frozen]
-        while any(_alive(pids[r]) for r in survivors):
-            assert time.monotonic() - started < BOUND_S + GRACE_S, "survivors still running"
-            time.sleep(0.2)
+        lost_pids = [frozen] + [pid for r, pid in pids.items() if node_of[r] == frozen]
+        _lose(lost_pids, "freeze", [pids[r] for r in survivors], BOUND_S + GRACE_S)
     finally:
         _end(agents, everything)
     for rank in survivors:
-        stderr, error = next(
-            (said for said in (_said(tmp_path / f"logs-{i}", rank) for i in range(2)) if said[0]),
-            ("", ""),
-        )
+        stderr, error = _said_on_a_node(tmp_path, rank)
         for text in (stderr, error):
             assert _named(text) == {2, 3}, (rank, op, text[-3000:])
 
@@ -297,22 +299,15 @@ def test_a_survivor_waiting_on_a_live_survivor_is_told_the_loss(tmp_path: Path, 
         (tmp_path / "waiter").write_text(str(survivors[0]))
         everything = [a.pid for a in agents] + list(pids.values())
         _until(tmp_path / "waiting")  # written just before its recv (reached or not, the same)
-        started = time.monotonic()
-        for pid in [node_of[lost[0]]] + [pids[r] for r in lost]:
-            os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
-        while any(_alive(pids[r]) for r in survivors):
-            assert time.monotonic() - started < bound + GRACE_S, "survivors still running"
-            time.sleep(0.2)
+        lost_pids = [node_of[lost[0]]] + [pids[r] for r in lost]
+        _lose(lost_pids, fault, [pids[r] for r in survivors], bound + GRACE_S)
     finally:
         _end(agents, everything)
-    logs = [tmp_path / "logs-0", tmp_path / "logs-1"]
     for rank in survivors:
-        stderr, error = next(
-            (said for said in (_said(log, rank) for log in logs) if said[0]), ("", "")
-        )
+        stderr, error = _said_on_a_node(tmp_path, rank)
         for text in (stderr, error):
             assert _named(text) == set(lost), (rank, fault, text[-3000:], stderr[-3000:])
-    waiter = _said(logs[0], survivors[0])[0] or _said(logs[1], survivors[0])[0]
+    waiter = _said_on_a_node(tmp_path, survivors[0])[0]
     if fault == "kill" and 0 not in lost:  # it found no closed connection itself: told
         assert f"(as rank {survivors[1]} found)" in waiter, waiter[-3000:]
     assert_all_gone(everything, timeout=60)
