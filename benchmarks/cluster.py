@@ -7,6 +7,11 @@ the agents are the nodes), and as a plain session on warm ranks (`--ranks nodes*
 Measured: each test's wall time on rank 0 (set-up, call and teardown; the first test, which
 sets the group up, left out), its median, and the launched/warm ratio. With 2 cores, 16 ranks
 oversubscribe the CPU several times: compare within a row, and the growth across rows.
+
+`python -m benchmarks.cluster --namespaces` runs the launched side on the cluster `make
+test-cluster` builds instead (keep it up with `CLUSTER_KEEP=1 bash ci/cluster`; CLUSTER_DIR
+names it): one agent per node, each node a network namespace with an address of its own, so
+the store's traffic crosses a bridge rather than loopback.
 """
 
 from __future__ import annotations
@@ -57,19 +62,41 @@ def _env(times: Path) -> dict[str, str]:
     return {**env, "BENCH_TIMES": str(times), "OMP_NUM_THREADS": "1"}
 
 
-def launched(folder: Path, nodes: int, per_node: int, port: int) -> list[float]:
-    """Each test's time on rank 0 of a torchrun launch of `nodes` agents on this machine."""
+SUBNET = "10.213.47"  # ci/cluster's: node i is SUBNET.i, inside its namespaces only
+
+
+def _on_node(index: int, argv: list[str]) -> list[str]:
+    """`argv` run on the lane's node n<index+1>: its network namespace and hostname."""
+    node = f"n{index + 1}"
+    hosts = Path(os.environ["CLUSTER_DIR"]) / "hosts"
+    script = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+    return ["nsenter", f"--net=/run/netns/rw-{node}", "unshare", "--uts", "--mount",
+            "sh", "-c", script, node, str(hosts), *argv]  # fmt: skip
+
+
+def launched(
+    folder: Path, nodes: int, per_node: int, port: int, namespaces: bool = False
+) -> list[float]:
+    """Each test's time on rank 0 of a torchrun launch of `nodes` agents: on this machine
+    (loopback), or one on each of the lane's namespace nodes."""
     times = folder / "times.json"
+    host = f"{SUBNET}.1" if namespaces else "127.0.0.1"
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
         f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}",
+        f"--rdzv-endpoint={host}:{port}", f"--rdzv-id=bench-{port}",
         "-m", "pytest", "-q", "-p", "harness", "-p", "no:cacheprovider", ".",
     ]  # fmt: skip
     quiet = subprocess.DEVNULL
     agents = [
-        subprocess.Popen(command, cwd=folder, env=_env(times), stdout=quiet, stderr=quiet)
-        for _ in range(nodes)
+        subprocess.Popen(
+            _on_node(i, command) if namespaces else command,
+            cwd=folder,
+            env=_env(times),
+            stdout=quiet,
+            stderr=quiet,
+        )
+        for i in range(nodes)
     ]
     for agent in agents:
         agent.wait(timeout=BOUND_S)
@@ -94,14 +121,19 @@ def _times(path: Path) -> list[float]:
     return list(found["times"].values())[1:]  # the first test sets the group up
 
 
-def main() -> list[str]:
+def main(namespaces: bool = False) -> list[str]:
+    where = (
+        "one agent on each of the lane's namespace nodes (own addresses, a bridge between)"
+        if namespaces
+        else "one agent per node on this machine (loopback)"
+    )
     lines = [
         "",
         "## Launched ranks against warm ranks (`benchmarks/cluster.py`)",
         "",
         f"A suite of {TESTS} trivial ranks tests (all_reduce, assert), per test on rank 0 "
-        f"(median, the first test left out), under torchrun with one agent per node on this "
-        f"machine, and on warm ranks, in the same run:",
+        f"(median, the first test left out), under torchrun with {where}, and on warm ranks, "
+        f"in the same run:",
         "",
         "| nodes x ranks | launched (torchrun) | warm ranks | launched / warm |",
         "|---|---|---|---|",
@@ -110,7 +142,8 @@ def main() -> list[str]:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         for i, (nodes, per_node) in enumerate(SHAPES):
             ranks = nodes * per_node
-            out = launched(_folder(Path(tmp), f"launched-{i}"), nodes, per_node, 29630 + i)
+            folder = _folder(Path(tmp), f"launched-{i}")
+            out = launched(folder, nodes, per_node, 29630 + i, namespaces)
             here = warm(_folder(Path(tmp), f"warm-{i}"), ranks)
             if not out or not here:
                 lines.append(f"| {nodes}x{per_node} | no result | no result | - |")
@@ -132,4 +165,7 @@ def main() -> list[str]:
 
 
 if __name__ == "__main__":
-    print_and_exit(main())
+    on_namespaces = "--namespaces" in sys.argv[1:]
+    if on_namespaces and not (Path(os.environ.get("CLUSTER_DIR", "/-")) / "hosts").exists():
+        sys.exit("benchmarks.cluster --namespaces: no cluster (CLUSTER_KEEP=1 bash ci/cluster)")
+    print_and_exit(main(on_namespaces))

@@ -118,3 +118,12 @@ def test_the_library_snippet_runs_on_several_cpu_ranks_under_torchrun(
     assert printed[0] == f"True 0 {world} True\n"
     for other in range(1, world):
         assert printed[other] == f"True {other} {world} False\n", printed
+
+
+def test_every_launch_block_of_docs_clusters_is_run_by_the_cluster_lane() -> None:
+    """docs/clusters.md's shell blocks each carry a cluster-lane marker, and a test of
+    tests/cluster/test_docs.py runs each as written (`make test-cluster`)."""
+    from tests.cluster.test_docs import PAGE, RUN_HERE, blocks
+
+    assert len(blocks()) == PAGE.read_text().count("```bash"), "a block without its marker"
+    assert set(blocks()) == set(RUN_HERE)

@@ -28,7 +28,7 @@ LAUNCHED_SWITCH = "HARNESS_LAUNCHED"
 # Which launcher's variables the harness turned into torchrun's (see export): read them again.
 LAUNCHED_BY = "HARNESS_LAUNCHED_BY"
 # Ports derived for srun and mpirun when MASTER_PORT is not given: from the job, in this range.
-DERIVED_PORTS = (15000, 20000)  # first port, how many
+DERIVED_PORTS = (15000, 17000)  # first port, how many: 15000-31999, below the ephemeral ports
 
 
 class LaunchError(Exception):

@@ -310,8 +310,11 @@ def _departed(
 ) -> Diagnosis | None:
     """Ranks that returned while every failure was peer-caused: the peers waited on them.
 
-    Not ordered by time: a rank that tore its group down reports its return after the
-    peers' errors that the teardown caused.
+    The side with fewer ranks is the odd one out: ranks that returned while as many or more
+    waited forgot the collective (the first of them is the root cause); a rank that waits
+    while more ranks returned called one that no other did (it is the root cause). Not
+    ordered by time: a rank that tore its group down reports its return after the peers'
+    errors that the teardown caused.
     """
     left = sorted(
         (o for o in outcomes if o.ending is Ending.RETURNED and o.rank not in failed),
@@ -319,7 +322,10 @@ def _departed(
     )
     if not left:
         return None
-    return Diagnosis(left[0].rank, tuple(failed), (), departed=tuple(o.rank for o in left))
+    departed = tuple(o.rank for o in left)
+    if len(left) > len(failed):
+        return Diagnosis(failed[0], tuple(failed[1:]), (), departed=departed)
+    return Diagnosis(left[0].rank, tuple(failed), (), departed=departed)
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
@@ -335,8 +341,14 @@ def summary_line(outcomes: Sequence[RankOutcome], diagnosis: Diagnosis) -> str:
     if diagnosis.out_of_step:
         return "ranks out of step: " + _where_each_is(by_rank, diagnosis.out_of_step)
     if diagnosis.departed:
-        waited = sorted({by_rank[r].waited_in for r in diagnosis.collateral} - {""})
+        stayed = [r for r in (diagnosis.root, *diagnosis.collateral) if r not in diagnosis.departed]
+        waited = sorted({by_rank[r].waited_in for r in stayed if r is not None} - {""})
         where = f" in {' / '.join(waited)}" if waited else ""
+        if diagnosis.root not in diagnosis.departed:  # the waiting side is the odd one out
+            return (
+                f"{ranks_phrase([r for r in stayed if r is not None])} waited{where} while "
+                f"{ranks_phrase(sorted(diagnosis.departed))} returned"
+            )
         return (
             f"{ranks_phrase(diagnosis.departed)} returned while "
             f"{ranks_phrase(diagnosis.collateral)} waited{where}"
@@ -372,7 +384,7 @@ def _role(rank: int, diagnosis: Diagnosis) -> str:
     if rank in diagnosis.out_of_step:
         return "out of step"
     if rank in diagnosis.departed:
-        return "also returned early"
+        return "also returned early" if diagnosis.root in diagnosis.departed else "returned"
     return "collateral" if rank in diagnosis.collateral else "also failed"
 
 
@@ -403,6 +415,8 @@ def render_report(
         o = by_rank[r]
         if r != diagnosis.root and _lost_alike(o, root):
             continue  # the root's node, lost with it: named in the summary line
+        if r in diagnosis.departed and diagnosis.root not in diagnosis.departed:
+            continue  # returned while the root waited alone: named in the summary line
         lines.append(
             f"{'=' * 8} rank {r} ({_pid(o)}): {o.describe()} [{_role(r, diagnosis)}] {'=' * 8}"
         )

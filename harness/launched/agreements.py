@@ -74,6 +74,7 @@ def agree_on_backend(launched: LaunchedSession) -> None:
         use_seed(launched.config, seeds.SessionSeed(words[0]["seed"], words[0]["source"]))
     launched.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
     launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
+    launched.say_place()
     joined = launched.gather("fresh", "1", AGREE_S)
     if not all(joined.values):
         why = joined.absent_text()
@@ -83,6 +84,7 @@ def agree_on_backend(launched: LaunchedSession) -> None:
             f"those ranks ended, they were shown another rank's word replaced by a process "
             f"that reaches the launch's store (see docs/security.md)",
         )
+    launched.watch_crashes()
 
 
 def _absent_by_node(launched: LaunchedSession, found: Gathered) -> str:

@@ -12,7 +12,6 @@ every rank has written: the launcher reads the files of ranks it stops as well.
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
@@ -20,14 +19,9 @@ import pytest
 from rankwise.testing import write_launcher_error
 
 from harness.launched import records
+from harness.launched.blame import blamed_rank
 from harness.launched.fate import FirstFailure
 from harness.launched.session import AGREE_S, LaunchedSession
-
-# The first line of a failure report that blames one rank: "rank 1 failed: ...", "rank 2's
-# teardown failed ...", "rank 3 returned while ranks 0, 1 waited ...".
-_BLAMED = re.compile(r"^rank (\d+)\b")
-# ... or a lost node, with its ranks: "node 0 (host n1) was lost: ... (ranks 0, 1); ...".
-_LOST = re.compile(r"^\S.* was lost: .*\(ranks? (\d+)[,)]")
 
 
 def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
@@ -40,9 +34,9 @@ def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport
 def _blamed(report: pytest.TestReport, this_rank: int) -> tuple[int, str]:
     """The rank a failure report names first and its line; this rank for its own failure."""
     first = report.longreprtext.strip().splitlines()[0] if report.longreprtext.strip() else ""
-    found = _BLAMED.match(first) or _LOST.search(first)
-    if found:
-        return int(found.group(1)), first
+    found = blamed_rank(first)
+    if found is not None:
+        return found, first
     crash = getattr(report.longrepr, "reprcrash", None)
     said = getattr(crash, "message", "") or first or "failed"
     return this_rank, f"rank {this_rank} failed: {said.splitlines()[0]}"

@@ -32,11 +32,19 @@ from rankwise.testing import write_launcher_error
 from harness.common.launch_detect import Launch
 from harness.common.outcome import Ending, RankOutcome, failure_text
 from harness.launched import records, terminal
+from harness.launched.blame import blamed_rank, headline
+from harness.launched.crashes import Crashes
 from harness.launched.fate import Fate
 from harness.launched.gathered import Gathered
 from harness.launched.nodes import Nodes
 from harness.launched.position import Position
-from harness.launched.store import QUIET_AFTER_S, Peers, first_line, store_gone
+from harness.launched.store import (
+    QUIET_AFTER_S,
+    ForeignStore,
+    Peers,
+    first_line,
+    store_gone,
+)
 from harness.launched.watch import Watch
 from harness.rank import group_release
 from harness.settings import session_timeout, settings_of
@@ -96,6 +104,7 @@ class LaunchedSession:
         self._hung: dict[str, RankOutcome] = {}  # the outcomes this rank's timer published
         self._group: Any = None  # the session's own default group, to tell it from others
         self._written: dict[int, list[str]] = {}  # this rank's keys, by test index
+        self.crashes: Crashes | None = None  # the ranks beside this one, once placed
 
     # ---- the store ---------------------------------------------------------------------
 
@@ -106,6 +115,11 @@ class LaunchedSession:
         bound = max(CONNECT_S, session_timeout(settings_of(self.config)))
         try:
             peers = Peers(self.launch, bound, settings_of(self.config).secret)
+        except ForeignStore as exc:
+            raise pytest.exit(
+                f"harness: rank {self.rank} ({self.launch.node_name}): {exc}",
+                returncode=pytest.ExitCode.USAGE_ERROR,
+            ) from None
         except Exception as exc:
             if not store_gone(exc):
                 raise
@@ -417,6 +431,24 @@ class LaunchedSession:
             f"went down, its processes were killed, or its link was cut)"
         )
 
+    def say_place(self) -> None:
+        self._store.say_place()
+
+    def watch_crashes(self) -> None:
+        """From here a fatal signal on this node is named at once (see crashes.py): this
+        rank's crash report goes to its file, and its heartbeat looks at the ranks beside it
+        (same node, same machine and pid namespace)."""
+        node = self.nodes.node_of(self.rank)
+        beside = {r: self._store.pid_here(r) for r in self.nodes.ranks_on(node) if r != self.rank}
+        crashes = Crashes(self._store.prefix, self.rank, {r: p for r, p in beside.items() if p})
+        crashes.watch_own()
+        self.crashes = crashes
+
+    def look_for_crashes(self) -> None:
+        """A heartbeat's look at the ranks beside this one (see crashes.py)."""
+        if self.crashes is not None and not self.fate.finished.is_set():
+            self.crashes.look(lambda r, said: self.put(f"died/{r}", said), self.say)
+
     def placed(self, nodes: Nodes) -> None:
         """The ranks said which node each runs on (see agreements.py)."""
         self.nodes = nodes
@@ -498,9 +530,22 @@ class LaunchedSession:
         """The reporting rank could not finish the session: the others read status 1 as its
         last word, and torchrun's summary shows `text` (its report) as this rank's error."""
         self.put("final", "1")
-        headline = next((line for line in text.splitlines() if line.strip()), text)
         stamp = int(time.time())
-        write_launcher_error(f"{self.current}: {headline}"[:2000], text, stamp)
+        write_launcher_error(f"{self.current}: {headline(text)}"[:2000], text, stamp)
+
+    def last_words(self, nodeid: str, text: str, hung_at: float) -> None:
+        """This rank ends before the session's end (its timer found it hung at `hung_at`, by
+        the clock): its node's terminal and torchrun's error file say the verdict it knows
+        (`text`, a report), its own failure if the report blames this rank (stamped before
+        any peer could have heard of it), else as collateral of the rank it blames."""
+        line = headline(text)
+        own = blamed_rank(line) in (None, self.rank)
+        said = f"{nodeid}: {line}" if own else f"collateral: {nodeid}: {line}"
+        stamp = int(hung_at) - 1 if own else int(time.time()) + 1
+        write_launcher_error(said[:2000], text if own else said, stamp)
+        with contextlib.suppress(Exception):  # the others' wait for every entry (error_files.py)
+            self.put(f"error-file/{self.rank}", "1")
+        self.tell_node(nodeid, text)
 
     def summary(self, reporter: Any) -> None:
         """Rank 0's last words on the terminal (a quiet rank says nothing)."""

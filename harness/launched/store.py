@@ -55,6 +55,8 @@ class Peers:
 
     def __init__(self, launch: Launch, timeout_s: float, secret: bytes | None = None) -> None:
         hosts = launch.rank == 0 and not launch.agent_store  # srun, mpirun: rank 0 hosts it
+        if not hosts:
+            _await_listening(launch.master_addr, launch.master_port, timeout_s)
         base = dist.TCPStore(  # type: ignore[attr-defined]
             launch.master_addr,
             launch.master_port,
@@ -68,6 +70,7 @@ class Peers:
         # arrivals instead, so a new attempt never reads the last one's keys.
         # With a secret every key's name carries a tag only its holders can compute.
         self.secret = secret
+        _claim(base, launch, signing.key(secret, f"harness/{launch.run_key.rpartition('/')[0]}"))
         run = signing.key(secret, f"harness/{launch.run_key}")
         arrival = base.add(f"{run}/arrivals", 1) - 1
         base.set_timeout(timedelta(seconds=STORE_ANSWER_S))  # one answer, not a whole wait
@@ -164,6 +167,14 @@ class Peers:
         where its process runs (a thread calls it every HEARTBEAT_S)."""
         waiting = "c10d" if main_thread_in_torch_distributed() else "-"
         self.put(f"beat/{self.rank}", f"{time.monotonic()} {waiting} {_PROCESS}")
+
+    def say_place(self) -> None:
+        """Say where this rank's process runs (machine, pid namespace, pid)."""
+        self.put(f"place/{self.rank}", _PROCESS)
+
+    def pid_here(self, rank: int) -> int | None:
+        """`rank`'s pid, if its process runs on this machine and in this pid namespace."""
+        return _pid_here((self.read(f"place/{rank}") or b"").decode(errors="replace"))
 
     def in_torch_distributed(self, rank: int) -> bool:
         """Whether `rank`'s main thread was inside torch.distributed at its last heartbeat
@@ -263,6 +274,8 @@ class Peers:
                 continue
             if at > self.position():
                 found[r] = f"it had moved on to {self.name_of(at)} (ranks out of step)"
+            elif self.has(f"died/{r}"):
+                found[r] = "it died (a rank beside it said so)"
             elif self._silent(r):
                 quiet = time.monotonic() - self._beats[r][1]
                 found[r] = f"no sign of life for {quiet:.3g} s: {self._why_silent(r)}"
@@ -318,6 +331,26 @@ class Peers:
                 f"likely ended (the launcher's summary gives its exit status)"
             )
         return f"it did not answer within {waited:.3g} s (it was {where})"
+
+
+class ForeignStore(Exception):
+    """The launch's store is another job's (two jobs were given the same port)."""
+
+
+OWNER_KEY = "rankwise/store-owner"
+
+
+def _claim(base: Any, launch: Launch, job: str) -> None:
+    """The first job to reach a store owns it; another job that reaches it (its launch block
+    gave the same port) stops before its tests, where it would fail when the owner ends."""
+    owner = bytes(base.compare_set(OWNER_KEY, "", job))
+    if owner != job.encode():
+        raise ForeignStore(
+            f"the launch's store at {launch.master_addr}:{launch.master_port} is another "
+            f"job's (another run id reached it first): two jobs were given the same port on "
+            f"a node they share. This job stops before its tests and the other goes on; give "
+            f"each job its own port (docs/clusters.md derives it from SLURM_JOB_ID)"
+        )
 
 
 class StoreCalls:
@@ -381,9 +414,33 @@ def _listening_inodes(port: int) -> set[str]:
     return found
 
 
+class StoreUnreachable(Exception):
+    """No connection to the launch's store could be made within the bound."""
+
+
+def _await_listening(host: str, port: int, bound_s: float) -> None:
+    """Wait, bounded, until the launch's store takes a connection: torch's client logs each
+    failed try with C++ frames on the terminal (a cut link, a store not up yet); a plain
+    socket's tries say nothing. Raises StoreUnreachable at the bound."""
+    deadline = time.monotonic() + bound_s
+    pause = _FIRST_POLL_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.5, min(5.0, left))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(f"no connection to {host}:{port} ({exc})") from None
+        time.sleep(pause)
+        pause = min(pause * 2, _LAST_POLL_S)
+
+
 def store_gone(exc: BaseException) -> bool:
     """Whether a store operation failed because the store is gone: its connection closed,
-    reset or refused, or no answer within its timeout."""
+    reset or refused, no answer within its timeout, or none to be had at all."""
+    if isinstance(exc, StoreUnreachable):
+        return True
     name = type(exc).__name__
     if name == "DistNetworkError":
         return True

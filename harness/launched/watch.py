@@ -174,6 +174,14 @@ class Watched(Protocol):
         """Say the verdict's first line on this node's terminal, if this rank leads it."""
         ...
 
+    def last_words(self, nodeid: str, text: str, hung_at: float) -> None:
+        """This rank ends before the session does: its node and torchrun hear `text`."""
+        ...
+
+    def look_for_crashes(self) -> None:
+        """Name a rank beside this one that died of a fatal signal (each heartbeat)."""
+        ...
+
     def end_early(self, text: str) -> None:
         """The reporting rank's last word when it could not finish the session (`text`, its
         report): no junit, status 1, torchrun's error file."""
@@ -204,10 +212,25 @@ class Watch:
             where=where,
             notes=(note,),
         )
+        hung_at = time.time()
         session.publish_hang(key, outcome)
+        said = self._every_word(key)  # now, while every peer that returned is still here
         if not session.reports():
+            with contextlib.suppress(Exception):
+                session.last_words(session.current, said, hung_at)
             os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job
         self._finish_or_report(f"rank {session.rank} hung in {session.current}", key)
+
+    def _every_word(self, key: str) -> str:
+        """The verdict on run `key` as this hung rank sees it, from every rank's word (a few
+        seconds at most): what its node's terminal and torchrun's error file will say if it
+        does not report (a peer hung too, a node lost), where it would otherwise say nothing."""
+        session = self._session
+        try:
+            outcomes = session.exchange(key, session.own_outcome(key), STOPPED_WAIT_S)
+        except Exception:
+            return f"rank {session.rank} hung"
+        return failure_text(outcomes) or f"rank {session.rank} hung"
 
     # ---- signs of life -------------------------------------------------------------------
 
@@ -219,6 +242,8 @@ class Watch:
             while not self._session.fate.finished.wait(HEARTBEAT_S):
                 with contextlib.suppress(Exception):
                     peers.beat()
+                with contextlib.suppress(Exception):
+                    self._session.look_for_crashes()
 
         peers.beat()
         threading.Thread(target=beat, name="harness-heartbeat", daemon=True).start()

@@ -1,7 +1,7 @@
 """The cluster `make test-cluster` builds (ci/cluster), as the tests here use it: run a
 command on a node, lose a node, cut its link, and see what is left running on each.
 
-A node is a network namespace (rw-n1 ... rw-n3) with an address on a bridge of its own; a
+A node is a network namespace (rw-n1 ... rw-n4) with an address on a bridge of its own; a
 command runs there with the node's hostname and the cluster's /etc/hosts. Outside that lane
 there is no cluster, and every test here is skipped, saying so.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-NODES = ("n1", "n2", "n3")
+NODES = ("n1", "n2", "n3", "n4")
 SUBNET = "10.213.47"  # ci/cluster's: node i is SUBNET.i, inside the lane's namespaces only
 DAEMONS = ("slurmd", "slurmctld", "slurmscriptd", "slurmstepd")  # the cluster's, not a test's
 PYTHON = sys.executable
@@ -85,6 +85,13 @@ class Cluster:
         for pid in self.processes(node):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def freeze(self, node: str) -> None:
+        """The node stops: every process on it but the cluster's daemons stopped (SIGSTOP),
+        its connections open and silent."""
+        for pid in self.processes(node):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
 
     def cut(self, node: str) -> None:
         """Its link goes down: its processes live on, reaching no one (nor reached)."""

@@ -1,12 +1,12 @@
 """The harness across nodes, on the cluster `make test-cluster` builds (network namespaces as
 nodes, Debian's SLURM, torchrun's c10d rendezvous across them).
 
-Launches that give one verdict: torchrun per node started by srun (docs/clusters.md's line as
-written), srun starting pytest directly, mpirun starting it directly. Faults across nodes, each
-bounded: a worker node lost, the node of rank 0 and the store lost, a link cut mid-collective and
-mid-rendezvous, a node that collects other tests, a node with another rankwise. Each gives, on
-every surviving node, a verdict naming the lost node and its ranks; no INTERNALERROR, no C++
-frames, torchrun's error files written, nothing left running on any node.
+Faults across nodes, each bounded (the launches docs/clusters.md shows are run in
+test_docs.py): a node killed, frozen or cut off mid-collective, at 2, 3 and 4 nodes, whichever
+node it is; a link cut mid-rendezvous; a remote rank's segfault; one rank hung alone; a node
+that collects other tests, a node with another rankwise. Each gives, on every surviving node,
+a verdict naming what failed; no INTERNALERROR, no C++ frames from a rank, torchrun's error
+files written, nothing left running on any node.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import json
 import re
 import subprocess
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import NODES, PYTHON, ROOT, Cluster, address
+from tests.cluster.conftest import NODES, PYTHON, Cluster, address
 
 pytestmark = pytest.mark.cluster
 
@@ -68,6 +69,7 @@ class Node:
     code: int
     output: str
     log_dir: Path
+    took: float = 0.0  # when its agent ended (time.monotonic())
 
     def error_files(self) -> list[dict[str, object]]:
         """torchrun's error files its workers wrote (under --log-dir)."""
@@ -80,7 +82,7 @@ def _torchrun(
     return [
         PYTHON, "-m", "torch.distributed.run", f"--nnodes={nodes}",
         f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-        "--rdzv-id=cluster-test", f"--log-dir={log_dir}",
+        "--rdzv-id=cluster-test", f"--log-dir={log_dir}", "--tee=3",
         "-m", "pytest", "-p", "harness", "-p", "no:cacheprovider", "-v", "-rA",
         f"--rank-timeout={TIMEOUT}", *pytest_args,
     ]  # fmt: skip
@@ -112,23 +114,57 @@ def _agents(
     return procs
 
 
-def _ends(procs: dict[str, subprocess.Popen[str]], tmp_path: Path) -> dict[str, Node]:
+def _ends(
+    procs: dict[str, subprocess.Popen[str]], tmp_path: Path, workers_of: Cluster | None = None
+) -> dict[str, Node]:
+    """Every agent's end, each with when it came (the output is read by a thread per agent,
+    so that one node's wait never delays noting another's end). With `workers_of`, a node
+    ends when its workers have (its agent, left waiting on a frozen rendezvous, is killed)."""
+    deadline = time.monotonic() + BOUND_S
+    outputs: dict[str, list[str]] = {node: [] for node in procs}
+    readers = [
+        threading.Thread(target=lambda p=proc, o=outputs[node]: o.extend(p.stdout or []))
+        for node, proc in procs.items()
+    ]
+    for reader in readers:
+        reader.start()
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        for node, proc in procs.items():
+            if node not in ended and (proc.poll() is not None or _workers_gone(workers_of, node)):
+                ended[node] = time.monotonic()
+        time.sleep(0.1)
     found = {}
     for node, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=BOUND_S)
-        except subprocess.TimeoutExpired:
+        late = node not in ended
+        if proc.poll() is None:
             proc.kill()
-            out, _ = proc.communicate()
-            out += f"\n(the agent on {node} did not end within {BOUND_S} s)"
-        found[node] = Node(node, proc.returncode, out, tmp_path / f"logs-{node}")
+        proc.wait()
+        for reader in readers:
+            reader.join(10)
+        if proc.stdout:
+            proc.stdout.close()
+        text = "".join(outputs[node])
+        if late:
+            text += f"\n(the agent on {node} did not end within {BOUND_S} s)"
+        log_dir = tmp_path / f"logs-{node}"
+        found[node] = Node(node, proc.returncode, text, log_dir, ended.get(node, time.monotonic()))
     return found
+
+
+def _workers_gone(cluster: Cluster | None, node: str) -> bool:
+    """Whether no pytest worker runs on `node` any more (never, without a cluster given)."""
+    if cluster is None:
+        return False
+    return not any("-m pytest" in cmd for cmd in cluster.processes(node).values())
 
 
 def _clean(node: Node) -> None:
     """What every node's output must never hold."""
     assert "INTERNALERROR" not in node.output, node.output[-6000:]
-    workers = "".join(p.read_text(errors="replace") for p in node.log_dir.rglob("std*.log"))
+    logs = sorted(node.log_dir.rglob("std*.log"))  # --tee: what the ranks wrote, apart
+    assert logs, f"no rank logs under {node.log_dir}"
+    workers = "".join(p.read_text(errors="replace") for p in logs)
     assert "frame #" not in workers, workers[-6000:]
 
 
@@ -140,33 +176,6 @@ def _worker_output(node: Node) -> str:
 
 
 # ---- launches that give one verdict ---------------------------------------------------------
-
-
-def _docs_block(marker: str) -> str:
-    """The shell block of docs/clusters.md that follows the line holding `marker`."""
-    text = (ROOT / "docs" / "clusters.md").read_text()
-    after = text[text.index(marker) :]
-    return after.split("```bash\n", 1)[1].split("```", 1)[0]
-
-
-def test_torchrun_per_node_started_by_srun_gives_one_verdict(
-    quiet_after: Cluster, tmp_path: Path
-) -> None:
-    """docs/clusters.md's SLURM line, as written (its NODES and GPUS set to this cluster's),
-    inside an allocation of 2 nodes: one torchrun per node, one session, one verdict."""
-    (tmp_path / "test_one.py").write_text(textwrap.dedent(ONE_VERDICT))
-    script = tmp_path / "job.sh"
-    script.write_text("set -e\n" + _docs_block("<!-- cluster-lane: torchrun under srun -->"))
-    env = {"NODES": "2", "GPUS": "2", "TESTS": "test_one.py", "HOME": str(tmp_path)}
-    proc = quiet_after.start(
-        "n1", ["salloc", "--nodes=2", "--ntasks-per-node=1", "bash", str(script)], tmp_path, env
-    )
-    out, _ = proc.communicate(timeout=BOUND_S)
-    assert proc.returncode != 0, out
-    assert out.count("test session starts") == 1, out[-6000:]
-    assert "1 failed, 2 passed" in out, out[-6000:]
-    assert "rank 3 failed: raised AssertionError: assert 3 != 3  [4 ranks" in out, out[-6000:]
-    assert "INTERNALERROR" not in out
 
 
 ONE_VERDICT = """
@@ -185,23 +194,6 @@ ONE_VERDICT = """
     def test_plain():
         pass
 """
-
-
-def test_srun_starting_pytest_directly_gives_one_verdict(
-    quiet_after: Cluster, tmp_path: Path
-) -> None:
-    """`srun --nodes 2 --ntasks-per-node 2 python -m pytest` ran the suite once per task (4
-    sessions, 4 verdicts, 16 ranks): now the tasks are the ranks, the first node's rank 0
-    hosting the store."""
-    (tmp_path / "test_one.py").write_text(textwrap.dedent(ONE_VERDICT))
-    argv = ["srun", "--nodes=2", "--ntasks-per-node=2", PYTHON, "-m", "pytest", "-p", "harness",
-            "-p", "no:cacheprovider", "-rA", "test_one.py"]  # fmt: skip
-    proc = quiet_after.start("n1", argv, tmp_path)
-    out, _ = proc.communicate(timeout=BOUND_S)
-    assert out.count("test session starts") == 1, out[-6000:]
-    assert "1 failed, 2 passed" in out, out[-6000:]
-    assert "rank 3 failed: raised AssertionError: assert 3 != 3  [4 ranks" in out
-    assert "INTERNALERROR" not in out
 
 
 MPI_AGENT = """#!/bin/sh
@@ -227,17 +219,6 @@ def _mpirun(cluster: Cluster, tmp_path: Path, hosts: str, ranks: int, *extra: st
     return out
 
 
-def test_mpirun_starting_pytest_directly_gives_one_verdict(
-    quiet_after: Cluster, tmp_path: Path
-) -> None:
-    (tmp_path / "test_one.py").write_text(textwrap.dedent(ONE_VERDICT))
-    across = _mpirun(quiet_after, tmp_path, "n1:2,n2:2", 4,
-                     "-x", "MASTER_ADDR=n1", "-x", "MASTER_PORT=29712")  # fmt: skip
-    assert across.count("test session starts") == 1, across[-6000:]
-    assert "1 failed, 2 passed" in across, across[-6000:]
-    assert "rank 3 failed: raised AssertionError: assert 3 != 3  [4 ranks" in across
-
-
 def test_mpirun_across_nodes_without_master_addr_says_what_to_do(
     quiet_after: Cluster, tmp_path: Path
 ) -> None:
@@ -250,11 +231,48 @@ def test_mpirun_across_nodes_without_master_addr_says_what_to_do(
 # ---- faults across nodes ----------------------------------------------------------------------
 
 
+GRACE_S = 60  # docs/clusters.md: a lost node is named within the test's timeout plus this
+
+
+@dataclass
+class Layout:
+    """A launch of `count` nodes (2 ranks each) and the node lost in it."""
+
+    count: int
+    victim: int  # index of the lost node
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return NODES[: self.count]
+
+    @property
+    def lost(self) -> str:
+        return self.nodes[self.victim]
+
+    @property
+    def ranks(self) -> str:
+        first = 2 * self.victim
+        return f"ranks {first}, {first + 1}"
+
+
+# Every node count the lane has, each with rank 0's node and the last lost, and a middle one
+# at 3 nodes (at 4 it is found as at 3: the lane's time goes to the other cases).
+LAYOUTS = [Layout(2, 0), Layout(2, 1), Layout(3, 0), Layout(3, 1), Layout(3, 2),
+           Layout(4, 0), Layout(4, 3)]  # fmt: skip
+
+
+def _layout_id(layout: Layout) -> str:
+    where = "rank 0's" if layout.victim == 0 else (
+        "the last" if layout.victim == layout.count - 1 else "a middle")  # fmt: skip
+    return f"{layout.count} nodes, {where} node"
+
+
 def _lose_mid_test(
     cluster: Cluster, tmp_path: Path, nodes: tuple[str, ...], victim: str, how: str
-) -> dict[str, Node]:
+) -> tuple[dict[str, Node], float]:
     """Start one agent per node; once every rank is in test_mid (the victim's ranks short of
-    its collective, the others in it), lose the victim node (`how`: "lose" or "cut")."""
+    its collective, the others in it), lose the victim node (`how`: "lose", "freeze" or
+    "cut"). Every surviving node's end, and when the loss came."""
     (tmp_path / "test_nodes.py").write_text(TESTS)
     marks = _marks(tmp_path)
     index = nodes.index(victim)
@@ -265,45 +283,126 @@ def _lose_mid_test(
     (marks / "go").touch()  # the survivors enter the collective; the victim's ranks do not
     time.sleep(1.0)  # let them reach it: the loss is to come mid-collective (a pause, not a wait)
     getattr(cluster, how)(victim)
-    return _ends(procs, tmp_path)
+    lost_at = time.monotonic()
+    survivors = {node: proc for node, proc in procs.items() if node != victim}
+    # torchrun's agents wait on a frozen rendezvous host without a bound, and on a cut one
+    # until TCP gives up (docs/limits.md): there, a node ends when its ranks have
+    rendezvous_unheard = how in ("freeze", "cut") and victim == nodes[0]
+    ends = _ends(survivors, tmp_path, cluster if rendezvous_unheard else None)
+    cluster.mend(victim)
+    cluster.lose(victim)  # a frozen or cut node's processes need not end by themselves
+    procs[victim].communicate(timeout=BOUND_S)
+    return ends, lost_at
 
 
-def _names_the_lost_node(node: Node, lost: str, ranks: str) -> None:
-    said = _worker_output(node)
-    assert re.search(rf"node \d \(host {lost}\) was lost.*\({ranks}\)", said), said[-6000:]
-    assert "FAILED test_nodes.py::test_mid" in said, said[-6000:]
-
-
-@pytest.mark.parametrize("victim", ["n2", "n1"], ids=["a worker node", "rank 0's and the store's"])
+@pytest.mark.parametrize("how", ["lose", "freeze", "cut"], ids=["killed", "frozen", "link cut"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
 def test_a_lost_node_is_named_on_every_surviving_node(
-    quiet_after: Cluster, tmp_path: Path, victim: str
+    quiet_after: Cluster, tmp_path: Path, layout: Layout, how: str
 ) -> None:
-    nodes = ("n1", "n2", "n3")
-    started = time.monotonic()
-    ends = _lose_mid_test(quiet_after, tmp_path, nodes, victim, "lose")
-    took = time.monotonic() - started
-    ranks = {"n1": "ranks 0, 1", "n2": "ranks 2, 3"}[victim]
+    """Every surviving node, whichever node is lost and however: a verdict naming the lost
+    node and its ranks within the test's timeout plus the grace, its error files written,
+    torchrun's root cause naming it, and one exit status."""
+    ends, lost_at = _lose_mid_test(quiet_after, tmp_path, layout.nodes, layout.lost, how)
+    wrong = {name: _survivor_wrongs(node, layout, lost_at) for name, node in ends.items()}
+    wrong = {name: found for name, found in wrong.items() if found}
+    assert not wrong, "\n\n".join(f"{name}: " + "\n".join(found) for name, found in wrong.items())
+    if not (how in ("freeze", "cut") and layout.victim == 0):  # agents killed (docs/limits.md)
+        assert {node.code for node in ends.values()} == {1}, {n: e.code for n, e in ends.items()}
+
+
+def _survivor_wrongs(node: Node, layout: Layout, lost_at: float) -> list[str]:
+    """What a surviving node got wrong about the lost one (nothing, if all is well)."""
+    said, wrong = _worker_output(node), []
+    if not re.search(rf"node \d \(host {layout.lost}\) was lost.*\({layout.ranks}\)", said):
+        wrong.append(f"no verdict naming {layout.lost} ({layout.ranks}): {said[-3000:]}")
+    logs = sorted(node.log_dir.rglob("std*.log"))  # --tee: what the ranks wrote, apart
+    workers = "".join(p.read_text(errors="replace") for p in logs)
+    if "INTERNALERROR" in said or "frame #" in workers or not logs:
+        wrong.append(f"INTERNALERROR, or C++ frames from a rank: {said[-3000:]}")
+    if node.took - lost_at > TIMEOUT + GRACE_S:
+        wrong.append(f"ended {node.took - lost_at:.0f} s after the loss")
+    files = node.error_files()
+    if len(files) != 2 or not all(f"(host {layout.lost})" in json.dumps(f) for f in files):
+        wrong.append(f"error files: {files}")
+    if layout.victim == 0:
+        return wrong  # torchrun's agents lost their rendezvous: no summary (docs/limits.md)
+    cause = node.output.split("Root Cause (first observed failure):", 1)[-1].split("=====", 1)[0]
+    if "error_file: <N/A>" in cause or f"(host {layout.lost})" not in cause:
+        wrong.append(f"torchrun's root cause: {cause}")
+    return wrong
+
+
+FAULTS = """
+import ctypes, os
+from pathlib import Path
+import pytest, torch, torch.distributed as dist
+
+VICTIM = int(os.environ["VICTIM_RANK"])
+
+@pytest.mark.ranks
+def test_crash(rank):
+    dist.barrier()
+    (Path(os.environ["MARKS"]) / f"in-{rank}").touch()
+    if rank == VICTIM:
+        ctypes.string_at(0)  # SIGSEGV
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+@pytest.mark.ranks
+def test_alone(rank):
+    if rank == VICTIM:
+        t = torch.ones(1)
+        dist.all_reduce(t)  # alone: every other rank returned
+"""
+
+LONG_TIMEOUT = 120  # the crash tests': a verdict well inside it came from the crash, not it
+
+
+@pytest.mark.parametrize(
+    ("count", "victim"), [(2, 2), (3, 2), (3, 4)],
+    ids=["2 nodes, the last node's", "3 nodes, a middle node's", "3 nodes, the last node's"],
+)  # fmt: skip
+def test_a_remote_segfault_is_named_by_its_signal_on_every_node(
+    quiet_after: Cluster, tmp_path: Path, count: int, victim: int
+) -> None:
+    """A rank on another node dies of SIGSEGV: every node's verdict names the rank and the
+    signal well inside the test's timeout (the rank beside it on its node says so)."""
+    (tmp_path / "test_faults.py").write_text(FAULTS)
+    marks = _marks(tmp_path)
+    env = {"MARKS": str(marks), "VICTIM_RANK": str(victim)}
+    args = ("test_faults.py", "-k", "crash", f"--rank-timeout={LONG_TIMEOUT}")
+    procs = _agents(quiet_after, tmp_path, NODES[:count], env, args)
+    _wait_for(marks, 2 * count)
+    crashed_at = time.monotonic()
+    ends = _ends(procs, tmp_path)
     for name, node in ends.items():
-        if name == victim:
-            continue  # every process of it killed: nothing to say
-        _names_the_lost_node(node, victim, ranks)
+        said = _worker_output(node)
+        assert f"rank {victim} failed: died of SIGSEGV" in said, (name, said[-4000:])
+        assert node.took - crashed_at < LONG_TIMEOUT / 2, (name, node.took - crashed_at)
         _clean(node)
-        assert node.code != 0
-        files = node.error_files()
-        assert files and all(victim in json.dumps(f) for f in files), (name, files)
-    assert took < BOUND_S
+    assert "FAILED test_faults.py::test_crash" in _worker_output(ends["n1"])
+    assert {node.code for node in ends.values()} == {1}, {n: e.code for n, e in ends.items()}
 
 
-def test_a_link_cut_mid_collective_is_named_and_ends_every_node(
+def test_a_rank_hung_alone_is_the_root_cause_with_its_stack(
     quiet_after: Cluster, tmp_path: Path
 ) -> None:
-    """No FIN arrives through a cut link: the survivors' collective waits to the test's
-    timeout, and the cut node's ranks reach no store; every process ends all the same."""
-    ends = _lose_mid_test(quiet_after, tmp_path, ("n1", "n2"), "n2", "cut")
-    _names_the_lost_node(ends["n1"], "n2", "ranks 2, 3")
+    """Rank 2 waits in all_reduce while every other rank returned: the report blames rank 2
+    alone and shows its stack without -v; torchrun's root cause on its node is rank 2."""
+    (tmp_path / "test_faults.py").write_text(FAULTS)
+    env = {"MARKS": str(_marks(tmp_path)), "VICTIM_RANK": "2"}
+    args = ("test_faults.py", "-k", "alone", "-q")
+    ends = _ends(_agents(quiet_after, tmp_path, NODES[:3], env, args), tmp_path)
+    said = _worker_output(ends["n1"])
+    assert "rank 2 hung" in said or "rank 2 waited in all_reduce" in said, said[-6000:]
+    assert "[root cause]: returned" not in said, said[-6000:]
+    assert re.search(r"test_faults.py\", line \d+ in test_alone", said), said[-6000:]
+    cause = ends["n2"].output.split("Root Cause (first observed failure):", 1)[-1]
+    assert "rank      : 2" in cause.split("=====", 1)[0], _worker_output(ends["n2"])[-8000:]
     for node in ends.values():
         _clean(node)
-    assert ends["n1"].error_files()
+        assert node.code == 1
 
 
 def test_a_link_cut_mid_rendezvous_is_named(quiet_after: Cluster, tmp_path: Path) -> None:

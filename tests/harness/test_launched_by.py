@@ -90,6 +90,16 @@ def test_an_srun_task_is_a_rank_with_the_first_node_hosting_the_store() -> None:
     assert given is not None and (given.master_addr, given.master_port) == ("10.0.0.1", 29400)
 
 
+def test_derived_ports_stay_below_the_ephemeral_ports() -> None:
+    """A derived port among Linux's ephemeral ports (32768 and up by default) may be taken by
+    any outgoing connection on rank 0's node when its store starts."""
+    first, count = DERIVED_PORTS
+    assert first + count <= 32768
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if ranges.exists():
+        assert first + count <= int(ranges.read_text().split()[0])
+
+
 def test_srun_gives_code_under_test_torchruns_variables() -> None:
     launch = detect(SRUN)
     assert launch is not None

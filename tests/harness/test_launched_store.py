@@ -52,6 +52,26 @@ def _job(port: int, freshen: bool) -> list[Peers]:
     return peers
 
 
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["signed", "unsigned"])
+def test_a_second_job_on_the_same_store_is_told_and_the_first_goes_on(
+    secret: bytes | None,
+) -> None:
+    """Two jobs whose launch blocks gave the same port meet in the first one's store: the
+    second stops at once saying so (it would fail when the first job ends), the first goes
+    on, and a restart of the first (the same run id) is still its own."""
+    store = loopback.store()
+    first = Peers(_launch(store.port, 0), 30.0, secret)
+    other = Launch(2, 0, 0, 2, loopback.HOST, store.port, True, "another-run-id/0")
+    with pytest.raises(store_module.ForeignStore, match="another job's") as info:
+        Peers(other, 30.0, secret)
+    assert f"{loopback.HOST}:{store.port}" in str(info.value)
+    assert "give each job its own port" in str(info.value)
+    restarted = Launch(2, 1, 1, 2, loopback.HOST, store.port, True, "a-fixed-run-id/1")
+    Peers(restarted, 30.0, secret)  # no error: the same job
+    first.put("at/0", "1")
+    assert first.read("at/0") == b"1"
+
+
 def _replayed_outcome_read(freshen: bool) -> bytes | None:
     """What rank 0 of a second job reads as rank 1's outcome when every key and value of
     the first job (where rank 1 had published one) was written into the second's store."""

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from harness.common.outcome import Ending, RankOutcome, diagnose, summary_line
+from harness.common.outcome import (
+    Ending,
+    RankOutcome,
+    ReportStyle,
+    diagnose,
+    render_report,
+    summary_line,
+)
 
 
 def _outcome(rank: int, ending: Ending, at: float, **fields: Any) -> RankOutcome:
@@ -39,6 +46,48 @@ def test_a_rank_outside_any_collective_is_the_root_of_a_hang() -> None:
     diagnosis = diagnose(outcomes, [0, 1])
     assert (diagnosis.root, diagnosis.collateral) == (1, (0,))
     assert outcomes[0].describe() == "hung in all_gather"
+
+
+@pytest.mark.parametrize("world", [3, 4, 6])
+def test_a_rank_waiting_alone_while_every_other_returned_is_the_root_cause(world: int) -> None:
+    """Rank 2 called all_reduce and no other rank did: it is the odd one out, not the first
+    rank that returned; its section (with its stack) leads the report, not only under -v."""
+    waiting = 'File "/x/torch/distributed/distributed_c10d.py", line 1 in all_reduce'
+    outcomes = [
+        _outcome(r, Ending.HUNG, 9.0, stack=waiting) if r == 2 else _outcome(r, Ending.RETURNED, r)
+        for r in range(world)
+    ]
+    diagnosis = diagnose(outcomes, [2])
+    others = [r for r in range(world) if r != 2]
+    assert (diagnosis.root, diagnosis.collateral, diagnosis.departed) == (2, (), tuple(others))
+    assert summary_line(outcomes, diagnosis) == (
+        f"rank 2 waited in all_reduce while ranks {', '.join(map(str, others))} returned"
+    )
+    text = render_report(outcomes, diagnosis, "head", ReportStyle(verbose=False))
+    assert "rank 2 (pid 102): hung in all_reduce [root cause]" in text
+    assert "-- Python stacks at the deadline --" in text
+    assert "[root cause]" not in text.split("[root cause]", 1)[1]
+
+
+@pytest.mark.parametrize(("world", "left"), [(2, [1]), (4, [3]), (4, [2, 3])])
+def test_ranks_that_returned_while_as_many_or_more_waited_are_the_root_cause(
+    world: int, left: list[int]
+) -> None:
+    """The other side: a rank forgot the collective its peers wait in."""
+    waiting = 'File "/x/torch/distributed/distributed_c10d.py", line 1 in all_reduce'
+    outcomes = [
+        _outcome(r, Ending.RETURNED, 1.0 + r)
+        if r in left
+        else _outcome(r, Ending.HUNG, 9.0, stack=waiting)
+        for r in range(world)
+    ]
+    stayed = [r for r in range(world) if r not in left]
+    diagnosis = diagnose(outcomes, stayed)
+    assert (diagnosis.root, diagnosis.departed, diagnosis.collateral) == (
+        left[0],
+        tuple(left),
+        tuple(stayed),
+    )
 
 
 def test_a_group_a_release_thread_is_still_freeing_is_not_taken_for_held() -> None:

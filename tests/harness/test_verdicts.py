@@ -213,6 +213,33 @@ def test_a_rank_that_returns_while_peers_wait_is_named(inner: pytest.Pytester) -
     )
 
 
+def test_a_rank_alone_in_a_collective_every_other_rank_returned_from_is_named(
+    inner: pytest.Pytester,
+) -> None:
+    """The other side of the case above: rank 2 called all_reduce and no other rank did. It
+    is the root cause, with its traceback, not the first rank that returned."""
+    inner.makepyfile(
+        """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.ranks(4)
+        def test_calls_alone(rank):
+            if rank == 2:
+                dist.all_reduce(torch.ones(1))  # no other rank calls it
+        """
+    )
+    result = inner.runpytest("-p", "harness", "--rank-timeout", "30")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 2 waited in all_reduce while ranks 0, 1, 3 returned*",
+            "*rank 2 (pid *): * [[]root cause[]]*",
+            "*dist.all_reduce(torch.ones(1))*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*returned [[]root cause[]]*")
+
+
 def test_a_ranks_own_network_error_is_its_failure_not_a_peers(inner: pytest.Pytester) -> None:
     """Text like "Connection refused" reads as a peer gone only from torch.distributed."""
     inner.makepyfile(
