@@ -360,8 +360,9 @@ LONG_TIMEOUT = 120  # the crash tests': a verdict well inside it came from the c
 
 
 @pytest.mark.parametrize(
-    ("count", "victim"), [(2, 2), (3, 2), (3, 4)],
-    ids=["2 nodes, the last node's", "3 nodes, a middle node's", "3 nodes, the last node's"],
+    ("count", "victim"), [(2, 1), (2, 2), (3, 2), (3, 4), (4, 6)],
+    ids=["2 nodes, rank 0's node's", "2 nodes, the last node's", "3 nodes, a middle node's",
+         "3 nodes, the last node's", "4 nodes, the last node's"],
 )  # fmt: skip
 def test_a_remote_segfault_is_named_by_its_signal_on_every_node(
     quiet_after: Cluster, tmp_path: Path, count: int, victim: int
@@ -385,21 +386,26 @@ def test_a_remote_segfault_is_named_by_its_signal_on_every_node(
     assert {node.code for node in ends.values()} == {1}, {n: e.code for n, e in ends.items()}
 
 
+@pytest.mark.parametrize(
+    ("count", "victim"), [(2, 3), (3, 2), (4, 6)],
+    ids=["2 nodes, the last node's", "3 nodes, a middle node's", "4 nodes, the last node's"],
+)  # fmt: skip
 def test_a_rank_hung_alone_is_the_root_cause_with_its_stack(
-    quiet_after: Cluster, tmp_path: Path
+    quiet_after: Cluster, tmp_path: Path, count: int, victim: int
 ) -> None:
-    """Rank 2 waits in all_reduce while every other rank returned: the report blames rank 2
-    alone and shows its stack without -v; torchrun's root cause on its node is rank 2."""
+    """One rank waits in all_reduce while every other rank returned: the report blames it
+    alone and shows its stack without -v; torchrun's root cause on its node is that rank."""
     (tmp_path / "test_faults.py").write_text(FAULTS)
-    env = {"MARKS": str(_marks(tmp_path)), "VICTIM_RANK": "2"}
+    env = {"MARKS": str(_marks(tmp_path)), "VICTIM_RANK": str(victim)}
     args = ("test_faults.py", "-k", "alone", "-q")
-    ends = _ends(_agents(quiet_after, tmp_path, NODES[:3], env, args), tmp_path)
+    ends = _ends(_agents(quiet_after, tmp_path, NODES[:count], env, args), tmp_path)
     said = _worker_output(ends["n1"])
-    assert "rank 2 hung" in said or "rank 2 waited in all_reduce" in said, said[-6000:]
+    assert f"rank {victim} waited in all_reduce while" in said, said[-6000:]
     assert "[root cause]: returned" not in said, said[-6000:]
     assert re.search(r"test_faults.py\", line \d+ in test_alone", said), said[-6000:]
-    cause = ends["n2"].output.split("Root Cause (first observed failure):", 1)[-1]
-    assert "rank      : 2" in cause.split("=====", 1)[0], _worker_output(ends["n2"])[-8000:]
+    home = NODES[victim // 2]
+    cause = ends[home].output.split("Root Cause (first observed failure):", 1)[-1]
+    assert f"rank      : {victim}" in cause.split("=====", 1)[0], _worker_output(ends[home])[-8000:]
     for node in ends.values():
         _clean(node)
         assert node.code == 1
