@@ -94,7 +94,8 @@ class Crashes:
                 path.unlink()  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """At the session's end: this rank's report file goes (nothing was written to it)."""
+        """At the session's end: this rank's report file goes (nothing was written to it;
+        faulthandler keeps writing to the open file, should the process crash after)."""
         path = report_path(self._job, self._rank)
         if self._file is not None and path is not None:
             with contextlib.suppress(OSError):

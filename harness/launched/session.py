@@ -607,6 +607,8 @@ class LaunchedSession:
         self.fate.over(status)
         with contextlib.suppress(ValueError):  # not the main thread: the handler still exits
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.crashes is not None:  # past every test: its report file goes (crashes.py)
+            self.crashes.close()
 
 
 def cuda_index(launch: Launch) -> int:

@@ -86,6 +86,25 @@ def test_a_rank_alone_on_its_node_keeps_faulthandler_as_it_was(job: str) -> None
     assert report_path(job, 0) is not None and not report_path(job, 0).exists()  # type: ignore[union-attr]
 
 
+def test_a_session_that_ends_leaves_no_report_file(job: str) -> None:
+    """Each rank's (empty) report file goes at the session's end: none piles up in the
+    user's temporary directory, session after session."""
+    path = report_path(job, 0)
+    assert path is not None
+    code = textwrap.dedent(
+        f"""
+        from harness.launched.crashes import Crashes
+        from pathlib import Path
+        crashes = Crashes({job!r}, 0, {{1: 1}})
+        crashes.watch_own()
+        assert Path({str(path)!r}).exists()
+        crashes.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert not path.exists()
+
+
 def test_the_reports_directory_is_this_users_alone(job: str) -> None:
     path = report_path(job, 0)
     assert path is not None

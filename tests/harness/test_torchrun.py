@@ -1587,3 +1587,19 @@ def test_a_fixture_blocked_in_a_collective_ends_at_pytest_timeouts_bound(
     assert "still running at pytest-timeout's bound (15 s)" in result.output, result.output
     assert "all_reduce_on_rank_1_at_teardown" in result.output, result.output  # its stack
     assert "test_b_not_reached" in result.output, result.output  # listed as not run
+
+
+def test_a_session_leaves_no_crash_report_files(tmp_path: Path) -> None:
+    """Each launched rank with a neighbour on its node writes faulthandler's crash report to
+    a file of its own (crashes.py); a session that ends removes them, so none pile up."""
+    (tmp_path / "test_one.py").write_text(
+        "import pytest, torch.distributed as dist\n\n"
+        "@pytest.mark.ranks(2)\ndef test_meets(rank):\n    dist.barrier()\n"
+    )
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    launched = torchrun(tmp_path, 2, "test_one.py", extra_env={"TMPDIR": str(private_tmp)})
+    assert launched.returncode == 0, launched.output[-4000:]
+    reports = private_tmp / f"rankwise-crashes-{os.getuid()}"
+    assert reports.is_dir(), sorted(p.name for p in private_tmp.iterdir())  # they were made
+    assert list(reports.iterdir()) == []
