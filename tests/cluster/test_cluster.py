@@ -134,18 +134,18 @@ def _ends(
             if node not in ended and (proc.poll() is not None or _workers_gone(workers_of, node)):
                 ended[node] = time.monotonic()
         time.sleep(0.1)
-    found = {}
-    for node, proc in procs.items():
-        late = node not in ended
+    for proc in procs.values():  # every agent ended or killed before any output is joined
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        for reader in readers:
-            reader.join(10)
+    for reader in readers:
+        reader.join(10)
+    found = {}
+    for node, proc in procs.items():
         if proc.stdout:
             proc.stdout.close()
         text = "".join(outputs[node])
-        if late:
+        if node not in ended:
             text += f"\n(the agent on {node} did not end within {BOUND_S} s)"
         log_dir = tmp_path / f"logs-{node}"
         found[node] = Node(node, proc.returncode, text, log_dir, ended.get(node, time.monotonic()))
@@ -178,6 +178,7 @@ def _worker_output(node: Node) -> str:
 # ---- launches that give one verdict ---------------------------------------------------------
 
 
+# One failing test and two passing, at any world size: "1 failed, 2 passed", naming rank 3.
 ONE_VERDICT = """
     import pytest, torch, torch.distributed as dist
 
@@ -185,7 +186,7 @@ ONE_VERDICT = """
     def test_sum(rank, world_size):
         t = torch.ones(1)
         dist.all_reduce(t)
-        assert t.item() == world_size == 4
+        assert t.item() == world_size
 
     @pytest.mark.ranks
     def test_rank_3_fails(rank):

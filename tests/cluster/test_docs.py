@@ -20,28 +20,12 @@ import pytest
 
 from tests.cluster.conftest import ROOT, Cluster, address
 from tests.cluster.test_cluster import BOUND_S, MPI_AGENT
+from tests.cluster.test_cluster import ONE_VERDICT as TESTS
 
 pytestmark = pytest.mark.cluster
 
 PAGE = ROOT / "docs" / "clusters.md"
 _BLOCK = re.compile(r"<!-- cluster-lane: (?P<name>[^>]+?) -->\n```bash\n(?P<body>.*?)```", re.S)
-
-TESTS = """
-    import pytest, torch, torch.distributed as dist
-
-    @pytest.mark.ranks
-    def test_sum(rank, world_size):
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        assert t.item() == world_size
-
-    @pytest.mark.ranks
-    def test_rank_3_fails(rank):
-        assert rank != 3
-
-    def test_plain():
-        pass
-"""
 
 
 def blocks() -> dict[str, str]:
