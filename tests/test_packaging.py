@@ -105,7 +105,8 @@ def test_both_packages_say_the_installed_version() -> None:
 
 def test_the_changelog_has_a_section_per_version() -> None:
     """Keep a Changelog: Unreleased first, then each release, newest first, the installed
-    one among them; each entry a bullet of at most two lines."""
+    one among them; each entry a bullet of at most two lines, the whole file short enough for
+    users to read (at most 300 lines: internal changes go in commit messages)."""
     import re
     from importlib.metadata import version
     from pathlib import Path
@@ -125,3 +126,4 @@ def test_the_changelog_has_a_section_per_version() -> None:
             entries[-1].append(line)
     long = [entry[0] for entry in entries if len(entry) > 2]
     assert entries and not long, long
+    assert len(text.splitlines()) <= 300
