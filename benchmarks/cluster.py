@@ -27,7 +27,9 @@ from pathlib import Path
 
 from benchmarks._common import TIMING_CONFTEST, print_and_exit
 
-SHAPES = ((2, 2), (3, 2), (4, 4))  # (nodes, ranks per node)
+SHAPES = ((2, 2), (4, 2), (4, 4))  # (nodes, ranks per node): 4, 8 and 16 ranks
+TARGET_RATIO = 2.0  # launched / warm at 2x2, at most
+TARGET_GROWTH = 1.5  # launched growth from 4 to 16 ranks / warm growth, at most
 TESTS = 30
 BOUND_S = 900  # one session, a safety net far above its minute
 
@@ -44,9 +46,58 @@ def test_trivial(rank, world_size, i):
 # Rank 0 alone records the times under a launch (every rank runs every test).
 CONFTEST = TIMING_CONFTEST.replace(
     "def pytest_sessionfinish(session):\n",
-    "def pytest_sessionfinish(session):\n    if os.environ.get('RANK', '0') != '0':\n"
-    "        return\n",
+    "def pytest_sessionfinish(session):\n    _save_store_operations()\n"
+    "    if os.environ.get('RANK', '0') != '0':\n        return\n",
 )
+# Under a launch, each rank counts the operations its main thread sends to the launch's store
+# during each test (set-up, call, teardown; the heartbeat thread's, one a second, left out)
+# and saves them as ops-<rank>.json beside the times.
+CONFTEST += """
+import threading
+
+_operations = {"now": 0}
+_per_test = {}
+
+try:
+    from harness.launched import store as _store
+except ImportError:
+    _store = None
+if _store is not None and "RANK" in os.environ:
+    _answered = _store.Peers._answered
+
+    def _counted(self, operation, undone):
+        if threading.current_thread() is threading.main_thread():
+            _operations["now"] += 1
+        return _answered(self, operation, undone)
+
+    _store.Peers._answered = _counted
+    _drop = _store.Peers.drop
+
+    def _counted_drop(self, keys):  # deletes, one operation each, not through _answered
+        _operations["now"] += len(keys)
+        return _drop(self, keys)
+
+    _store.Peers.drop = _counted_drop
+
+
+class _CountPerTest:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        before = _operations["now"]
+        yield
+        _per_test[item.nodeid] = _operations["now"] - before
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_CountPerTest(), "bench-store-operations")
+
+
+def _save_store_operations():
+    if "RANK" in os.environ:
+        folder = os.path.dirname(os.environ["BENCH_TIMES"])
+        with open(os.path.join(folder, f"ops-{os.environ['RANK']}.json"), "w") as f:
+            json.dump(list(_per_test.values()), f)
+"""
 
 
 def _folder(parent: Path, name: str) -> Path:
@@ -121,6 +172,22 @@ def _times(path: Path) -> list[float]:
     return list(found["times"].values())[1:]  # the first test sets the group up
 
 
+def _operations(folder: Path, ranks: int) -> tuple[float, int] | None:
+    """The store operations per test per rank under a launch: the median over ranks of each
+    rank's median (the first test left out), and the most any rank sent for one test."""
+    medians, most = [], 0
+    for rank in range(ranks):
+        path = folder / f"ops-{rank}.json"
+        if not path.exists():
+            return None
+        counts = json.loads(path.read_text())[1:]
+        if not counts:
+            return None
+        medians.append(statistics.median(counts))
+        most = max(most, *counts)
+    return statistics.median(medians), most
+
+
 def main(namespaces: bool = False) -> list[str]:
     where = (
         "one agent on each of the lane's namespace nodes (own addresses, a bridge between)"
@@ -135,8 +202,9 @@ def main(namespaces: bool = False) -> list[str]:
         f"(median, the first test left out), under torchrun with {where}, and on warm ranks, "
         f"in the same run:",
         "",
-        "| nodes x ranks | launched (torchrun) | warm ranks | launched / warm |",
-        "|---|---|---|---|",
+        "| nodes x ranks | launched (torchrun) | warm ranks | launched / warm | store "
+        "operations per test per rank (median; most) |",
+        "|---|---|---|---|---|",
     ]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
@@ -146,21 +214,29 @@ def main(namespaces: bool = False) -> list[str]:
             out = launched(folder, nodes, per_node, 29630 + i, namespaces)
             here = warm(_folder(Path(tmp), f"warm-{i}"), ranks)
             if not out or not here:
-                lines.append(f"| {nodes}x{per_node} | no result | no result | - |")
+                lines.append(f"| {nodes}x{per_node} | no result | no result | - | - |")
                 continue
             a, b = statistics.median(out), statistics.median(here)
             rows.append((ranks, a, b))
+            ops = _operations(folder, ranks)
+            counted = "-" if ops is None else f"{ops[0]:g}; {ops[1]}"
             lines.append(
                 f"| {nodes}x{per_node} ({ranks}) | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | "
-                f"{a / b:.2f}x |"
+                f"{a / b:.2f}x | {counted} |"
             )
+    lines.append("")
+    if rows and rows[0][0] == 4 and rows[0][1] / rows[0][2] > TARGET_RATIO:
+        lines.append(f"- MISSED: launched / warm at 2x2 is above {TARGET_RATIO:g}x")
     if len(rows) >= 2:
         (r0, a0, b0), (r1, a1, b1) = rows[0], rows[-1]
-        lines += [
-            "",
+        growth = (a1 / a0) / (b1 / b0)
+        lines.append(
             f"From {r0} to {r1} ranks the launched per-test time grows {a1 / a0:.1f}x and the "
-            f"warm one {b1 / b0:.1f}x ({r1 / r0:.0f}x the ranks; 2 cores).",
-        ]
+            f"warm one {b1 / b0:.1f}x ({r1 / r0:.0f}x the ranks; 2 cores): {growth:.2f}x "
+            f"warm's growth (target: at most {TARGET_GROWTH:g}x)."
+        )
+        if growth > TARGET_GROWTH:
+            lines.append(f"- MISSED: launched growth above {TARGET_GROWTH:g}x warm's")
     return lines
 
 

@@ -47,6 +47,7 @@ STORE_ANSWER_S = 30.0
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
 _ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
+_FIRST_LOOK_S = 0.1  # a wait this long first notes the missing peers' heartbeats
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"  # a frame's file, in there
 
 
@@ -121,8 +122,10 @@ class Peers:
         if not self.has(key):
             return None
         blob = self._answered(lambda: bytes(self.store.get(self._name(key))), None)
-        if blob is None:
-            return None
+        return None if blob is None else self._verified(key, blob)
+
+    def _verified(self, key: str, blob: bytes) -> bytes | None:
+        """`blob`'s value if its signature for `key` holds; else None, noted in `refused`."""
         value = signing.verify(self.secret, self._where(key), blob)
         if value is None and key not in self.refused:
             self.refused.append(key)
@@ -220,9 +223,29 @@ class Peers:
         if self.lost:
             gone = f"the launch's store stopped answering ({self.lost})"
             return Gathered([None] * self.world_size, {r: gone for r in awaited | skip})
-        values = [self.read(k) if r not in skip else None for r, k in enumerate(keys)]
+        sure = {r for r in awaited if r not in absent} | (
+            {self.rank} if value is not None else set()
+        )
+        values = self._read_many(keys, sure)
+        for r in range(self.world_size):  # the rest, rare: a late key, this rank's kept one
+            if r not in sure and r not in skip:
+                values[r] = self.read(keys[r])
         reasons = {r: absent.get(r, "gone before") for r, v in enumerate(values) if v is None}
         return Gathered(values, reasons)
+
+    def _read_many(self, keys: list[str], ranks: set[int]) -> list[bytes | None]:
+        """The values under the keys of `ranks`, known to be set, in one round trip: a
+        gather's cost per rank stays the same whatever the world's size. None for every
+        other rank, and for a value whose signature fails."""
+        order = sorted(ranks)
+        names = [self._name(keys[r]) for r in order]
+        values: list[bytes | None] = [None] * self.world_size
+        if not names:
+            return values
+        blobs = self._answered(lambda: [bytes(b) for b in self.store.multi_get(names)], None)
+        for r, blob in zip(order, blobs or [], strict=False):
+            values[r] = self._verified(keys[r], blob)
+        return values
 
     def polls(self, seconds: float) -> Iterator[float]:
         """Yields the seconds waited so far, pausing between yields (briefly at first, as
@@ -248,13 +271,18 @@ class Peers:
     def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
         given_up: dict[int, str] = {}
         start = looked = time.monotonic()
-        for r in awaited:  # each peer's heartbeat as now: one that never changes went quiet
-            self._silent(r)
-        for _ in self.polls(seconds):
+        for waited in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
             if not waiting or self._checked([self._name(keys[r]) for r in waiting]):
                 return given_up
-            if time.monotonic() - looked >= _ABSENTEES_EVERY_S:
+            if waited >= _FIRST_LOOK_S and looked == start:
+                # Not a quick arrival: each late peer's heartbeat as now, so one that never
+                # changes from here on counts as quiet. Quick waits (nearly every wait) never
+                # read a heartbeat, and a gather's cost does not grow with the world.
+                looked = time.monotonic()
+                for r in waiting:
+                    self._silent(r)
+            elif time.monotonic() - looked >= _ABSENTEES_EVERY_S:
                 looked = time.monotonic()
                 given_up |= self._absentees(keys, waiting)
         waited = time.monotonic() - start
