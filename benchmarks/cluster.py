@@ -31,6 +31,7 @@ SHAPES = ((2, 2), (4, 2), (4, 4))  # (nodes, ranks per node): 4, 8 and 16 ranks
 TARGET_RATIO = 2.0  # launched / warm at 2x2, at most
 TARGET_GROWTH = 1.5  # launched growth from 4 to 16 ranks / warm growth, at most
 TESTS = 30
+ROUNDS = 3  # sessions of each side per shape, launched and warm in turn
 BOUND_S = 900  # one session, a safety net far above its minute
 
 SUITE = f"""
@@ -199,8 +200,8 @@ def main(namespaces: bool = False) -> list[str]:
         "## Launched ranks against warm ranks (`benchmarks/cluster.py`)",
         "",
         f"A suite of {TESTS} trivial ranks tests (all_reduce, assert), per test on rank 0 "
-        f"(median, the first test left out), under torchrun with {where}, and on warm ranks, "
-        f"in the same run:",
+        f"(median over {ROUNDS} sessions of each side, run in turn; each session's first test "
+        f"left out), under torchrun with {where}, and on warm ranks:",
         "",
         "| nodes x ranks | launched (torchrun) | warm ranks | launched / warm | store "
         "operations per test per rank (median; most) |",
@@ -210,15 +211,19 @@ def main(namespaces: bool = False) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         for i, (nodes, per_node) in enumerate(SHAPES):
             ranks = nodes * per_node
-            folder = _folder(Path(tmp), f"launched-{i}")
-            out = launched(folder, nodes, per_node, 29630 + i, namespaces)
-            here = warm(_folder(Path(tmp), f"warm-{i}"), ranks)
+            out: list[float] = []
+            here: list[float] = []
+            ops = None
+            for round_ in range(ROUNDS):  # alternating: a busy spell hits both sides alike
+                folder = _folder(Path(tmp), f"launched-{i}-{round_}")
+                out += launched(folder, nodes, per_node, 29630 + i * ROUNDS + round_, namespaces)
+                here += warm(_folder(Path(tmp), f"warm-{i}-{round_}"), ranks)
+                ops = _operations(folder, ranks) or ops
             if not out or not here:
                 lines.append(f"| {nodes}x{per_node} | no result | no result | - | - |")
                 continue
             a, b = statistics.median(out), statistics.median(here)
             rows.append((ranks, a, b))
-            ops = _operations(folder, ranks)
             counted = "-" if ops is None else f"{ops[0]:g}; {ops[1]}"
             lines.append(
                 f"| {nodes}x{per_node} ({ranks}) | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | "

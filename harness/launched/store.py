@@ -46,6 +46,9 @@ STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
 STORE_ANSWER_S = 30.0
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
 _LAST_POLL_S = 0.05
+# Each pause this much longer than the last: the last rank is seen at most half a pause late
+# (doubling let an exchange wait up to twice as long as its last rank took to come).
+_POLL_GROWTH = 1.5
 _ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
 _FIRST_LOOK_S = 0.1  # a wait this long first notes the missing peers' heartbeats
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"  # a frame's file, in there
@@ -259,7 +262,7 @@ class Peers:
             if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S) or self.lost:
                 return
             self._tick.wait(pause)
-            pause = min(pause * 2, _LAST_POLL_S)
+            pause = min(pause * _POLL_GROWTH, _LAST_POLL_S)
 
     def wait_for(self, key: str, seconds: float) -> bytes | None:
         """The value at `key` once some rank sets it; None if it is not set within `seconds`."""

@@ -167,6 +167,10 @@ def test_a_store_that_stops_answering_is_lost_after_the_bound(
         assert time.monotonic() - started < 10.0
     finally:
         _stop(server)
+    # The call left behind fails once the store's process is gone, and torch logs that with
+    # C++ frames: let it end inside this test (whose output pytest captures), not in a later
+    # moment whose output goes to the terminal. Calls run one at a time, so this one waits.
+    assert peers._calls.run(lambda: None, 30.0) == (True, None)
 
 
 def test_store_calls_are_bounded_and_keep_their_errors() -> None:
@@ -177,3 +181,34 @@ def test_store_calls_are_bounded_and_keep_their_errors() -> None:
     blocked = threading.Event()
     assert calls.run(lambda: blocked.wait(60), 0.2) == (False, None)
     blocked.set()
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_a_gather_costs_each_rank_the_same_store_calls_whatever_the_world(world: int) -> None:
+    """Every rank read every rank's key and heartbeat one call at a time: 7 calls a rank at 2
+    ranks, 25 at 8, per exchange, four exchanges a test. Where every value is there, a gather is
+    this rank's write, one check and one read of every value together, at any world size."""
+    server, port = _store_elsewhere()
+    try:
+        peers = [
+            Peers(Launch(world, r, r, world, loopback.HOST, port, True, "run/0"), 30.0, SECRET)
+            for r in range(world)
+        ]
+        for mine in peers:
+            mine.put(f"x/{mine.rank}", f"value {mine.rank}")
+        for mine in peers:
+            calls: list[int] = []
+            answered = mine._answered
+
+            def counted(
+                operation: Any, undone: Any, answered: Any = answered, calls: list[int] = calls
+            ) -> Any:
+                calls.append(1)
+                return answered(operation, undone)
+
+            mine._answered = counted  # type: ignore[method-assign]
+            found = mine.gather("x", f"value {mine.rank}", 30.0, set())
+            assert found.values == [f"value {r}".encode() for r in range(world)]
+            assert found.complete and len(calls) == 3, (mine.rank, len(calls))
+    finally:
+        _stop(server)
