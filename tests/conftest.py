@@ -25,3 +25,29 @@ def _no_randomly_in_inner_sessions(request: pytest.FixtureRequest) -> None:
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")
         request.getfixturevalue("monkeypatch").setenv("PYTEST_ADDOPTS", PLUGINS_OFF)
+
+
+class StartedAProcess(AssertionError):
+    """A test marked `unit` started a process: it belongs in another lane, or needs a fake."""
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`unit` tests (make unit-fast) test logic with fakes: starting a process fails them."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise StartedAProcess(
+            f"{request.node.nodeid} is marked unit but started a process: use a fake, or "
+            f"move it out of the unit lane"
+        )
+
+    monkeypatch.setattr(os, "fork", refused)
+    monkeypatch.setattr(os, "posix_spawn", refused)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refused)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refused)

@@ -14,6 +14,8 @@ from rankwise import _versions
 
 from harness import versions as harness_versions
 
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

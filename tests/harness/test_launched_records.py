@@ -15,6 +15,8 @@ import torch
 from harness.common.outcome import Ending, RankOutcome, RankWarning
 from harness.launched import records
 
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
 
 def _full_outcome(value: Any) -> RankOutcome:
     return RankOutcome(

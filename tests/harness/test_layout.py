@@ -29,6 +29,7 @@ def _import_graph() -> object:
     return module
 
 
+@pytest.mark.unit
 def test_the_import_rules_hold() -> None:
     graph: object = _import_graph()
     edges = graph.graph()  # type: ignore[attr-defined]
@@ -39,6 +40,7 @@ def test_the_import_rules_hold() -> None:
     assert "benchmarks.adopt" not in edges["benchmarks.adopt_deepspeed"]
 
 
+@pytest.mark.unit
 def test_the_rules_catch_what_they_are_for() -> None:
     """The check itself: a circle, a module importing the launch, a rank importing runner or
     a warm module, a module both sides use importing either side."""
@@ -62,6 +64,7 @@ def test_the_rules_catch_what_they_are_for() -> None:
     assert any("harness.rank.new_module imports harness.warm.session" in b for b in broken)
 
 
+@pytest.mark.unit
 def test_a_type_only_import_counts_for_a_circle(tmp_path: Path) -> None:
     graph: object = _import_graph()
     module = tmp_path / "m.py"
@@ -72,6 +75,7 @@ def test_a_type_only_import_counts_for_a_circle(tmp_path: Path) -> None:
     assert found == {"harness.b"}
 
 
+@pytest.mark.unit
 def test_a_module_named_in_a_string_counts_as_imported(tmp_path: Path) -> None:
     """pytest_plugins, _LAZY and importlib.import_module load modules no import names."""
     graph: object = _import_graph()
@@ -90,11 +94,13 @@ def test_a_module_named_in_a_string_counts_as_imported(tmp_path: Path) -> None:
     assert len(broken) == 2, broken  # the package itself loads the pytest side
 
 
+@pytest.mark.unit
 def test_no_private_name_crosses_modules() -> None:
     graph: object = _import_graph()
     assert graph.private_imports() == []  # type: ignore[attr-defined]
 
 
+@pytest.mark.unit
 def test_the_private_name_check_catches_what_it_is_for(tmp_path: Path) -> None:
     graph: object = _import_graph()
     module = tmp_path / "m.py"
@@ -161,6 +167,7 @@ def test_calls(run_on_ranks):
     assert "LAUNCH MODULES ['harness.launched', 'harness.launched.reports']" in result.stdout.str()
 
 
+@pytest.mark.unit
 def test_contributing_lists_every_module() -> None:
     text = (ROOT / "CONTRIBUTING.md").read_text()
     block = text.split("## Architecture", 1)[1].split("```", 2)[1]

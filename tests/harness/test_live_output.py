@@ -13,6 +13,8 @@ from harness.common.protocol import OUTPUT_LIMIT, RankFiles
 from harness.warm import live_output
 from harness.warm.live_output import LiveStreams, RunOutput
 
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
 
 @pytest.fixture
 def files(tmp_path: Path) -> RankFiles:

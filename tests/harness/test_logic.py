@@ -15,6 +15,8 @@ from harness.common.outcome import (
     summary_line,
 )
 
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
 
 def _outcome(rank: int, ending: Ending, at: float, **fields: Any) -> RankOutcome:
     return RankOutcome("k", rank, 100 + rank, ending, at=at, **fields)

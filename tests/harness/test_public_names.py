@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 import harness
+
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
 HARNESS_NAMES = [
     "Adopter",

@@ -24,6 +24,8 @@ from harness.warm.collective_match import MISMATCH_TYPE
 from harness.warm.live_output import LiveStreams, RunOutput
 from harness.warm.run_loop import TEST_FAILURE_GRACE, Cut, RunEnd, RunLoop
 
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
 KEY = "this-run"
 
 

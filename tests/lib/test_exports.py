@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import rankwise
 
 SPEC_NAMES = [
@@ -30,6 +31,7 @@ SPEC_NAMES = [
 ]
 
 
+@pytest.mark.unit
 def test_rankwise_exports_the_spec_names_sorted() -> None:
     assert rankwise.__all__ == sorted(SPEC_NAMES)
     assert all(getattr(rankwise, name).__doc__ for name in rankwise.__all__)

@@ -62,6 +62,7 @@ def _beat(store: FakeStore, *ranks: int) -> None:
         store.add(f"rankwise/watch/beat/{r}", 1)
 
 
+@pytest.mark.unit
 def test_a_peer_silent_past_the_bound_is_lost_and_named_with_its_host() -> None:
     watch, store, clock = _watch_of(4)
     _beat(store, 1, 2, 3)
@@ -77,6 +78,7 @@ def test_a_peer_silent_past_the_bound_is_lost_and_named_with_its_host() -> None:
     )
 
 
+@pytest.mark.unit
 def test_a_slow_peer_that_keeps_counting_is_never_lost() -> None:
     watch, store, clock = _watch_of(3, bound=5)
     for _ in range(100):  # 1000 s of a long computation: its watch thread still counts
@@ -86,6 +88,7 @@ def test_a_slow_peer_that_keeps_counting_is_never_lost() -> None:
         assert watch.lost == ()
 
 
+@pytest.mark.unit
 def test_silence_is_judged_from_the_first_look_not_before() -> None:
     watch, store, clock = _watch_of(2, bound=60)
     _beat(store, 1)
@@ -100,6 +103,7 @@ def test_silence_is_judged_from_the_first_look_not_before() -> None:
     assert watch.lost == (1,)
 
 
+@pytest.mark.unit
 def test_a_peer_whose_watch_never_started_is_not_judged() -> None:
     """Still on its way to its first labelled collective (however slowly): no count yet."""
     watch, store, clock = _watch_of(3)
@@ -110,6 +114,7 @@ def test_a_peer_whose_watch_never_started_is_not_judged() -> None:
     assert watch.lost == (1,)  # rank 2 never counted: not called lost
 
 
+@pytest.mark.unit
 def test_a_peer_that_left_is_not_lost() -> None:
     watch, store, clock = _watch_of(3, bound=10)
     _beat(store, 1, 2)
@@ -121,6 +126,7 @@ def test_a_peer_that_left_is_not_lost() -> None:
     assert watch.lost == ()
 
 
+@pytest.mark.unit
 def test_a_node_s_ranks_are_named_together() -> None:
     watch, store, clock = _watch_of(6, bound=10)
     _beat(store, 1, 2, 3, 4, 5)
@@ -132,6 +138,7 @@ def test_a_node_s_ranks_are_named_together() -> None:
     assert watch.describe(watch.lost).startswith("ranks 4, 5 (host n2) silent for 11 s")
 
 
+@pytest.mark.unit
 def test_gloo_s_peer_address_names_the_node_it_was() -> None:
     watch, _, _ = _watch_of(6)
     words = "[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:2782. ..."
@@ -144,6 +151,7 @@ def test_gloo_s_peer_address_names_the_node_it_was() -> None:
     assert watch.explain_link_failure(v6)[1] == (2, 3)  # type: ignore[index]
 
 
+@pytest.mark.unit
 def test_an_address_every_rank_shares_names_nobody_by_address() -> None:
     watch, store, _ = _watch_of(4)
     for r in range(4):  # one machine: every rank on 127.0.0.1
@@ -187,6 +195,7 @@ def _ranks_2_and_3_silent() -> Any:
     return watch
 
 
+@pytest.mark.unit
 def test_known_silent_peers_explain_a_link_that_failed_after_them() -> None:
     watch = _ranks_2_and_3_silent()
     said, lost = watch.explain_link_failure("Connection closed by peer [10.0.0.0]:1")
@@ -206,6 +215,7 @@ def _rank_1_found_ranks_2_and_3_died() -> tuple[Any, FakeStore, Any]:
     return watch, store, finder
 
 
+@pytest.mark.unit
 def test_a_survivor_that_hears_nothing_is_told_the_loss_by_one_that_found_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -223,6 +233,7 @@ def test_a_survivor_that_hears_nothing_is_told_the_loss_by_one_that_found_it(
     assert lost.value.lost == (2, 3)
 
 
+@pytest.mark.unit
 def test_a_told_loss_whose_peers_count_again_is_an_old_group_s_and_ignored() -> None:
     watch, store, _ = _rank_1_found_ranks_2_and_3_died()
     _beat(store, 1, 2, 3)  # ranks 2 and 3 replaced since: counting again
@@ -230,6 +241,7 @@ def test_a_told_loss_whose_peers_count_again_is_an_old_group_s_and_ignored() -> 
     assert watch.lost == () and watch.told == ("", ())
 
 
+@pytest.mark.unit
 def test_a_survivor_never_takes_its_own_published_words_as_told() -> None:
     _, _, finder = _rank_1_found_ranks_2_and_3_died()
     finder._read_peers()
@@ -244,6 +256,7 @@ class _Work:
                            "Operation timed out!")  # fmt: skip
 
 
+@pytest.mark.unit
 def test_a_wait_raises_once_the_watch_finds_peers_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = _ranks_2_and_3_silent()
     monkeypatch.setattr(_watch, "current", lambda: watch)
@@ -253,6 +266,7 @@ def test_a_wait_raises_once_the_watch_finds_peers_silent(monkeypatch: pytest.Mon
     assert watch.waiting == 0
 
 
+@pytest.mark.unit
 def test_a_wait_on_a_store_that_stopped_answering_names_rank_0_s_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -267,6 +281,7 @@ def test_a_wait_on_a_store_that_stopped_answering_names_rank_0_s_node(
     assert lost.value.lost == (0, 1)
 
 
+@pytest.mark.unit
 def test_a_failure_that_is_not_a_timeout_is_the_collective_s_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -281,6 +296,7 @@ def test_a_failure_that_is_not_a_timeout_is_the_collective_s_own(
         _watch.wait(Failed())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("raw", "bound"), [(None, 60.0), ("", 60.0), ("15", 15.0), ("2.5", 2.5), ("0", None)]
 )
@@ -294,16 +310,19 @@ def test_the_bound_is_a_setting(
     assert _watch.bound_s() == bound
 
 
+@pytest.mark.unit
 def test_a_bad_bound_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_watch.BOUND_ENV, "soon")
     with pytest.raises(ValueError, match="RANKWISE_PEER_TIMEOUT='soon' is not a number of seconds"):
         _watch.bound_s()
 
 
+@pytest.mark.unit
 def test_no_watch_runs_outside_a_launch() -> None:
     assert _watch.current() is None  # no group here: nothing started, nothing waits in slices
 
 
+@pytest.mark.unit
 def test_a_store_that_closed_its_connections_names_rank_0_s_node_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -325,6 +344,7 @@ def test_a_store_that_closed_its_connections_names_rank_0_s_node_at_once(
     assert lost.value.lost == (0, 1)
 
 
+@pytest.mark.unit
 def test_a_bounded_store_call_that_raises_is_no_answer_and_no_traceback(
     capfd: pytest.CaptureFixture[str],
 ) -> None:

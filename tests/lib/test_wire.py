@@ -32,6 +32,7 @@ def _round_trip(value: Any) -> Any:
     return _wire.decode(_wire.encode(value, "test"))
 
 
+@pytest.mark.unit
 def test_a_dtensor_travels_as_torch_save_carries_it(one_rank_mesh: Any) -> None:
     """Regression: reading a wrapper subclass's storage address raised, and every value
     holding a DTensor (an FSDP2 state dict) was refused."""
@@ -48,6 +49,7 @@ def test_a_dtensor_travels_as_torch_save_carries_it(one_rank_mesh: Any) -> None:
     assert torch.equal(back["plain"], torch.tensor([1, 2]))
 
 
+@pytest.mark.unit
 def test_overlapping_views_of_part_of_a_storage_arrive_sharing_one_storage() -> None:
     """README: views that overlap share their storage on arrival. They arrived as separate
     copies when only part of the storage was sent."""
@@ -62,6 +64,7 @@ def test_overlapping_views_of_part_of_a_storage_arrive_sharing_one_storage() -> 
     assert back["b"][10] == -1.0
 
 
+@pytest.mark.unit
 def test_strided_views_over_one_storage_keep_their_values() -> None:
     base = torch.arange(4096, dtype=torch.float64)
     strided = base[2000:2100:7]
@@ -71,6 +74,7 @@ def test_strided_views_over_one_storage_keep_their_values() -> None:
     assert back[2].shape == (0,)
 
 
+@pytest.mark.unit
 def test_the_senders_check_loads_no_tensor_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check that a value loads back with weights_only must not build a second copy of
     every tensor on the sender (it doubled the sender's memory for a large state)."""
@@ -86,6 +90,7 @@ def test_the_senders_check_loads_no_tensor_data(monkeypatch: pytest.MonkeyPatch)
     assert loaded == ["meta"], loaded
 
 
+@pytest.mark.unit
 def test_the_senders_check_still_refuses_what_would_run_code(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
 
@@ -135,6 +140,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.unit
 def test_modelopts_containers_travel_as_themselves() -> None:
     """get_dist_syncd_obj refused what modelopt's auto-quantize syncs (a defaultdict(dict)
     in its recipe's format): defaultdicts of a builtin type or None, OrderedDict, Counter
@@ -145,6 +151,7 @@ def test_modelopts_containers_travel_as_themselves() -> None:
     assert back["recipe"]["format"]["new key"] == {}  # still a defaultdict of dict
 
 
+@pytest.mark.unit
 def test_a_defaultdict_of_another_factory_is_refused_saying_what_to_send() -> None:
     counts: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [0])
     counts["a"].append(1)
@@ -155,6 +162,7 @@ def test_a_defaultdict_of_another_factory_is_refused_saying_what_to_send() -> No
     assert "dict, list, set, int, float, str, tuple or None" in said, said
 
 
+@pytest.mark.unit
 def test_a_forged_payload_naming_another_factory_is_refused_and_runs_nothing(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +178,7 @@ def test_a_forged_payload_naming_another_factory_is_refused_and_runs_nothing(
     assert not marker.exists()
 
 
+@pytest.mark.unit
 def test_a_json_payload_that_does_not_parse_is_not_called_a_torch_load_refusal() -> None:
     with pytest.raises(RuntimeError) as refused:
         _collectives.load(b"J{not json", "all_reduce('x'): rank 1's value")
@@ -179,6 +188,7 @@ def test_a_json_payload_that_does_not_parse_is_not_called_a_torch_load_refusal()
     assert _collectives.load(b"J" + json.dumps([1]).encode(), "x") == [1]
 
 
+@pytest.mark.unit
 def test_a_torch_save_payload_still_says_it_was_refused() -> None:
     buffer = io.BytesIO()
     torch.save({"t": torch.ones(1)}, buffer)
@@ -203,6 +213,7 @@ def test_get_dist_syncd_obj_carries_what_modelopts_search_syncs(rank: int, world
         assert _same(theirs["recipe"], mine["recipe"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "values",
     [
@@ -219,6 +230,7 @@ def test_decoding_many_is_decoding_each(values: list[Any]) -> None:
     assert repr(got) == repr(expected)  # nan compares unequal to itself; its repr does not
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "blobs",
     [
