@@ -226,9 +226,8 @@ class Peers:
         if self.lost:
             gone = f"the launch's store stopped answering ({self.lost})"
             return Gathered([None] * self.world_size, {r: gone for r in awaited | skip})
-        sure = {r for r in awaited if r not in absent} | (
-            {self.rank} if value is not None else set()
-        )
+        own = {self.rank} if value is not None and self.rank not in skip else set()
+        sure = {r for r in awaited if r not in absent} | own
         values = self._read_many(keys, sure)
         for r in range(self.world_size):  # the rest, rare: a late key, this rank's kept one
             if r not in sure and r not in skip:
@@ -274,15 +273,16 @@ class Peers:
     def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
         given_up: dict[int, str] = {}
         start = looked = time.monotonic()
+        noted = False
         for waited in self.polls(seconds):
             waiting = [r for r in awaited if r not in given_up]
             if not waiting or self._checked([self._name(keys[r]) for r in waiting]):
                 return given_up
-            if waited >= _FIRST_LOOK_S and looked == start:
+            if waited >= _FIRST_LOOK_S and not noted:
                 # Not a quick arrival: each late peer's heartbeat as now, so one that never
                 # changes from here on counts as quiet. Quick waits (nearly every wait) never
                 # read a heartbeat, and a gather's cost does not grow with the world.
-                looked = time.monotonic()
+                noted = True
                 for r in waiting:
                     self._silent(r)
             elif time.monotonic() - looked >= _ABSENTEES_EVERY_S:

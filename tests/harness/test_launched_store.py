@@ -212,3 +212,18 @@ def test_a_gather_costs_each_rank_the_same_store_calls_whatever_the_world(world:
             assert found.complete and len(calls) == 3, (mine.rank, len(calls))
     finally:
         _stop(server)
+
+
+def test_a_one_second_gather_says_a_peer_moved_on() -> None:
+    """A rank whose test failed gathers in one-second turns: a peer already past the test is
+    named as moved on (ranks out of step), not as late."""
+    server, port = _store_elsewhere()
+    try:
+        ahead, behind = (Peers(_launch(port, r), 30.0, None) for r in (0, 1))
+        ahead.put("at/0", "7")
+        behind.position = lambda: 3
+        behind.name_of = lambda at: f"stage {at}"
+        found = behind.gather("t3/teardown", "mine", 1.0, set())
+        assert found.absent == {0: "it had moved on to stage 7 (ranks out of step)"}
+    finally:
+        _stop(server)
