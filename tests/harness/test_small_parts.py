@@ -1,0 +1,71 @@
+"""Small harness parts tested directly, without a session: what the adopters give the warm
+layer, and torch's import-time warnings held and said once."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from harness import adopters
+from harness.common import torch_import_warnings as notices
+
+pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
+
+
+def _config() -> Any:
+    return SimpleNamespace(stash=pytest.Stash())
+
+
+def test_without_adopters_the_warm_layer_gets_nothing() -> None:
+    config = _config()
+    assert adopters.libraries(config) == frozenset() and adopters.endings(config) == []
+
+
+def test_what_the_adopters_give_is_read_back_and_the_cleanups_list_is_a_copy() -> None:
+    config = _config()
+    ended: list[str] = []
+    adopters.give(config, frozenset({"deepspeed"}), [lambda: ended.append("shm")])
+    assert adopters.libraries(config) == frozenset({"deepspeed"})
+    found = adopters.endings(config)
+    found.clear()  # a reader's list: the stash keeps its own
+    (cleanup,) = adopters.endings(config)
+    cleanup()
+    assert ended == ["shm"]
+
+
+def test_the_numpy_notice_is_dropped_and_any_other_warning_shown() -> None:
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with notices.without_numpy_notice():
+            warnings.warn(
+                f"{notices.NUMPY_NOTICE}: No module named 'numpy'", UserWarning, stacklevel=1
+            )
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in shown] == ["something else"]
+
+
+def test_warnings_held_are_raised_again_once_from_where_they_came() -> None:
+    kept: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings(), notices.held(kept):
+        warnings.simplefilter("always")  # as at a launched session's configure: not an error
+        warnings.warn("said while configuring", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in kept] == ["said while configuring"]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        notices.raise_again(kept)
+    assert [str(w.message) for w in shown] == ["said while configuring"]
+    assert shown[0].filename == __file__ and kept == []
+
+
+def test_a_held_warning_a_filter_makes_an_error_is_dropped_not_raised() -> None:
+    kept: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings(), notices.held(kept):
+        warnings.simplefilter("always")
+        warnings.warn("made an error", UserWarning, stacklevel=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        notices.raise_again(kept)  # no test module here to fail: dropped
+    assert kept == []
