@@ -1,5 +1,5 @@
 """Small harness parts tested directly, without a session: what the adopters give the warm
-layer, and torch's import-time warnings held and said once."""
+layer, torch's import-time warnings held and said once, and pytest-timeout paused for a body."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from harness import adopters
+from harness import adopters, timeout_interop
 from harness.common import torch_import_warnings as notices
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
@@ -69,3 +69,50 @@ def test_a_held_warning_a_filter_makes_an_error_is_dropped_not_raised() -> None:
         warnings.simplefilter("error")
         notices.raise_again(kept)  # no test module here to fail: dropped
     assert kept == []
+
+
+class _Timing:
+    """pytest-timeout as the harness sees it: its item settings and its two hooks."""
+
+    def __init__(self, timeout: float, func_only: bool) -> None:
+        self.settings = SimpleNamespace(timeout=timeout, func_only=func_only)
+        self.calls: list[str] = []
+
+    def _get_item_settings(self, item: Any) -> Any:
+        return self.settings
+
+
+def _item(timing: _Timing | None) -> Any:
+    said: list[str] = timing.calls if timing is not None else []
+    hook = SimpleNamespace(
+        pytest_timeout_cancel_timer=lambda item: said.append("cancel"),
+        pytest_timeout_set_timer=lambda item, settings: said.append("set"),
+    )
+    manager = SimpleNamespace(get_plugin=lambda name: timing, hook=hook)
+    return SimpleNamespace(config=SimpleNamespace(pluginmanager=manager))
+
+
+@pytest.mark.parametrize(
+    ("timeout", "func_only", "bound", "calls"),
+    [
+        (30.0, False, 30.0, ["cancel", "set"]),  # the whole protocol: set again for teardown
+        (30.0, True, None, ["cancel"]),  # the call only: nothing to set again, no fixture bound
+        (0.0, False, None, []),  # off
+    ],
+)
+def test_pytest_timeout_is_paused_for_the_body_and_its_fixture_bound_read(
+    timeout: float, func_only: bool, bound: float | None, calls: list[str]
+) -> None:
+    timing = _Timing(timeout, func_only)
+    item = _item(timing)
+    assert timeout_interop.pytest_timeout_of_fixtures(item) == bound
+    with timeout_interop.pytest_timeout_paused(item):
+        assert timing.calls == calls[:1]
+    assert timing.calls == calls
+
+
+def test_without_pytest_timeout_nothing_is_paused_or_bounded() -> None:
+    item = _item(None)
+    assert timeout_interop.pytest_timeout_of_fixtures(item) is None
+    with timeout_interop.pytest_timeout_paused(item):
+        pass
