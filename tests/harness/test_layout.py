@@ -175,3 +175,31 @@ def test_contributing_lists_every_module() -> None:
     for path in sorted((ROOT / "harness").rglob("*.py")):
         name = path.relative_to(ROOT / "harness").as_posix()
         assert name in listed, f"CONTRIBUTING's architecture does not list harness/{name}"
+
+
+def _imported_by_a_test(module: str) -> bool:
+    """Whether a test file imports `module` (harness.x.y) or names it from its package."""
+    package, _, short = module.rpartition(".")
+    pattern = re.compile(
+        rf"(import {re.escape(module)}\b|from {re.escape(module)} import|"
+        rf"from {re.escape(package)} import [^\n]*\b{short}\b)"
+    )
+    return any(pattern.search(path.read_text()) for path in (ROOT / "tests").rglob("*.py"))
+
+
+@pytest.mark.unit
+def test_every_module_is_imported_by_a_test_or_contributing_says_why_not() -> None:
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("### Modules no test imports, and why", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`([\w/]+\.py)`", section))
+    modules = {
+        path.relative_to(ROOT / "harness").as_posix(): "harness."
+        + ".".join(path.relative_to(ROOT / "harness").with_suffix("").parts)
+        for path in (ROOT / "harness").rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    listed &= set(modules)  # the section names test files too
+    untested = {name for name, module in modules.items() if not _imported_by_a_test(module)}
+    assert untested <= listed, f"not imported by any test, nor in CONTRIBUTING: {untested - listed}"
+    stale = {name for name in listed if name not in untested}
+    assert not stale, f"CONTRIBUTING lists as untested, but a test imports them: {stale}"
