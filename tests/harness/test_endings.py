@@ -109,7 +109,9 @@ def test_a_coroutine_fails_as_pytest_fails_it_and_is_closed() -> None:
         pass
 
     coroutine: Any = body()
-    with pytest.raises(pytest.fail.Exception, match="async def functions are not natively"):
+    # pytest 8.4 fails such a test; before, it skips it with the same words.
+    as_pytest = pytest.fail.Exception if pytest.version_tuple >= (8, 4) else pytest.skip.Exception
+    with pytest.raises(as_pytest, match="async def functions are not natively"):
         endings.refuse_awaitable(coroutine)
     assert coroutine.cr_frame is None  # closed: no "never awaited" warning
     endings.refuse_awaitable(3)  # anything else: nothing to refuse
