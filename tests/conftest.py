@@ -32,12 +32,12 @@ class StartedAProcess(AssertionError):
 
 
 @pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`unit` tests (make unit-fast) test logic with fakes: starting a process fails them."""
+def _unit_tests_start_no_process(request: pytest.FixtureRequest) -> None:
+    """`unit` tests (make unit-fast) test logic with fakes: starting a process fails them.
+    Other tests get nothing from this fixture (no monkeypatch asked for on their behalf)."""
     if request.node.get_closest_marker("unit") is None:
         return
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
     import multiprocessing.process
     import subprocess
 
