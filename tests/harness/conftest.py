@@ -9,8 +9,11 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from harness.common.outcome import Ending, RankOutcome
 
 # Files the DeepSpeed adoption tests copy into their pytester directories, not tests here.
 collect_ignore = ["deepspeed_like"]
@@ -21,6 +24,11 @@ import os, signal, sys, threading, pytest, torch, torch.distributed as dist
 import rankwise as rw
 from harness import aborts, exits, hangs, killed, raises, returns
 """
+
+
+def outcome(rank: int, ending: Ending = Ending.RETURNED, **fields: Any) -> RankOutcome:
+    """A rank's outcome of test "t0", as a unit test of the pytest side fakes it."""
+    return RankOutcome("t0", rank, 100 + rank, ending, **fields)
 
 
 def shell_job_running_pytest(*args: str) -> list[str]:

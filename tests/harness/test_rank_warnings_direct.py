@@ -10,8 +10,9 @@ import warnings
 import pytest
 
 from harness.common import rank_warnings
-from harness.common.outcome import Ending, RankOutcome, RankWarning
+from harness.common.outcome import RankWarning
 from harness.common.protocol import WarningFilters
+from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
@@ -34,14 +35,10 @@ def test_deprecations_are_recorded_unless_python_was_given_w() -> None:
     assert found[0].filename == __file__
 
 
-def _outcome(rank: int, *found: RankWarning) -> RankOutcome:
-    return RankOutcome("t", rank, 0, Ending.RETURNED, warnings=found)
-
-
 def test_a_warning_from_several_ranks_is_said_once_naming_them() -> None:
     said = RankWarning("builtins.UserWarning", "slow", __file__, 7)
     other = RankWarning("no.such.module.Warning", "odd", __file__, 8)
-    outcomes = [_outcome(0, said), _outcome(1, said, other), _outcome(2)]
+    outcomes = [outcome(0, warnings=(said,)), outcome(1, warnings=(said, other)), outcome(2)]
     with warnings.catch_warnings(record=True) as shown:
         rank_warnings.reemit(outcomes)
     assert [(w.category, str(w.message), w.lineno) for w in shown] == [

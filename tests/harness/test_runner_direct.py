@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from harness import runner
-from harness.common.outcome import Ending, RankOutcome
+from harness.common.outcome import Ending
+from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
@@ -26,19 +27,15 @@ def _item() -> Any:
     )
 
 
-def _ended(rank: int, ending: Ending = Ending.RETURNED, **fields: Any) -> RankOutcome:
-    return RankOutcome("t0", rank, 100 + rank, ending, **fields)
-
-
 def test_pytest_exit_on_a_rank_ends_the_session_with_its_words_and_status() -> None:
-    exited = _ended(1, Ending.RAISED, exc_type="_pytest.outcomes.Exit", message="bye", exit_code=4)
+    exited = outcome(1, Ending.RAISED, exc_type="_pytest.outcomes.Exit", message="bye", exit_code=4)
     with pytest.raises(pytest.exit.Exception, match=r"\[rank 1\] bye") as stopped:
-        runner.stop_if_a_rank_did([_ended(0), exited])
+        runner.stop_if_a_rank_did([outcome(0), exited])
     assert stopped.value.returncode == 4
 
 
 def test_ctrl_c_on_a_rank_is_a_keyboard_interrupt_here() -> None:
-    pressed = _ended(2, Ending.RAISED, exc_type="builtins.KeyboardInterrupt")
+    pressed = outcome(2, Ending.RAISED, exc_type="builtins.KeyboardInterrupt")
     with pytest.raises(KeyboardInterrupt, match="in rank 2"):
         runner.stop_if_a_rank_did([pressed])
 
@@ -46,8 +43,8 @@ def test_ctrl_c_on_a_rank_is_a_keyboard_interrupt_here() -> None:
 def test_leftovers_are_one_error_at_teardown_naming_each_rank() -> None:
     item = _item()
     left = [
-        _ended(0, leftovers={"threads": "left thread 'poller' running"}),
-        _ended(1, leftovers={"environ": "changed os.environ['X']"}),
+        outcome(0, leftovers={"threads": "left thread 'poller' running"}),
+        outcome(1, leftovers={"environ": "changed os.environ['X']"}),
     ]
     runner.record_leftovers(item, left)
     with pytest.raises(runner.RankLeftovers) as raised:
@@ -57,12 +54,12 @@ def test_leftovers_are_one_error_at_teardown_naming_each_rank() -> None:
         "rank 1 changed os.environ['X']",
         "(a test that means it: @pytest.mark.allow_leftovers('threads'))",  # the kinds allowed
     ]
-    assert runner.leftovers_text([_ended(0)]) is None
+    assert runner.leftovers_text([outcome(0)]) is None
 
 
 def test_every_ranks_output_is_a_section_of_its_own() -> None:
     item = _item()
-    runner.attach_output(item, [_ended(0, stdout="hi\n"), _ended(1, stderr="oops\n", log="L")])
+    runner.attach_output(item, [outcome(0, stdout="hi\n"), outcome(1, stderr="oops\n", log="L")])
     assert item.sections == [
         ("call", "stdout [rank 0]", "hi\n"),
         ("call", "stderr [rank 1]", "oops\n"),
@@ -74,9 +71,9 @@ def test_a_returned_value_and_replaced_ranks_are_warned_of() -> None:
     item = _item()
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        runner._warn_of_returned_values(item, [_ended(0, value_repr="3"), _ended(1)])
-        replaced = _ended(1, replace_after="left a thread running")
-        runner.warn_of_replaced_ranks(item, [_ended(0), replaced])
+        runner._warn_of_returned_values(item, [outcome(0, value_repr="3"), outcome(1)])
+        replaced = outcome(1, replace_after="left a thread running")
+        runner.warn_of_replaced_ranks(item, [outcome(0), replaced])
     assert [type(w.message) for w in shown] == [
         pytest.PytestReturnNotNoneWarning,
         runner.RanksReplacedWarning,
@@ -90,7 +87,7 @@ def test_a_warning_the_filters_make_an_error_fails_the_test_after_its_output() -
     item = _item()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        runner.warn_of_replaced_ranks(item, [_ended(0, replace_after="died")])
+        runner.warn_of_replaced_ranks(item, [outcome(0, replace_after="died")])
     with pytest.raises(pytest.fail.Exception, match=r"RanksReplacedWarning \(an error under"):
         runner.raise_warnings_made_errors(item)
     runner.raise_warnings_made_errors(item)  # said once

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from harness import seam, settings, verdict
+from harness.common import endings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
+from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
@@ -31,29 +33,17 @@ def _item(xfail: Any = None) -> Any:
     )
 
 
-def _ended(rank: int, ending: Ending, **fields: Any) -> RankOutcome:
-    return RankOutcome("t0", rank, 100 + rank, ending, **fields)
-
-
-def _raised(rank: int, cls: type[BaseException], message: str) -> RankOutcome:
-    names = tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)
-    return _ended(
-        rank,
-        Ending.RAISED,
-        exc_type=names[0],
-        exc_mro=tuple(c.__name__ for c in cls.__mro__),
-        exc_classes=names,
-        message=message,
-    )
+def _raised(rank: int, error: BaseException) -> RankOutcome:
+    return endings.raised("t0", rank, error)
 
 
 def test_every_rank_returning_passes() -> None:
-    verdict.judge(_item(), SPEC, [_ended(0, Ending.RETURNED), _ended(1, Ending.RETURNED)])
+    verdict.judge(_item(), SPEC, [outcome(0, Ending.RETURNED), outcome(1, Ending.RETURNED)])
 
 
 def test_a_skip_on_every_rank_skips_where_the_ranks_skipped() -> None:
     item = _item()
-    skipped = [_ended(r, Ending.SKIPPED, message="no GPU", skipped_at=("t.py", 9)) for r in (0, 1)]
+    skipped = [outcome(r, Ending.SKIPPED, message="no GPU", skipped_at=("t.py", 9)) for r in (0, 1)]
     with pytest.raises(pytest.skip.Exception, match="no GPU"):
         verdict.judge(item, SPEC, skipped)
     report = SimpleNamespace(skipped=True, longrepr=("t.py", 3, "Skipped: no GPU"))
@@ -62,19 +52,19 @@ def test_a_skip_on_every_rank_skips_where_the_ranks_skipped() -> None:
 
 
 def test_a_skip_on_some_ranks_only_fails_naming_them() -> None:
-    outcomes = [_ended(0, Ending.RETURNED), _ended(1, Ending.SKIPPED, message="odd")]
+    outcomes = [outcome(0, Ending.RETURNED), outcome(1, Ending.SKIPPED, message="odd")]
     with pytest.raises(pytest.fail.Exception, match=r"rank 1 skipped \(odd\) while rank 0 ran"):
         verdict.judge(_item(), SPEC, outcomes)
 
 
 def test_an_xfail_on_a_rank_while_the_others_return_xfails() -> None:
-    outcomes = [_ended(0, Ending.XFAILED, message="known"), _ended(1, Ending.RETURNED)]
+    outcomes = [outcome(0, Ending.XFAILED, message="known"), outcome(1, Ending.RETURNED)]
     with pytest.raises(pytest.xfail.Exception, match="known"):
         verdict.judge(_item(), SPEC, outcomes)
 
 
 def test_a_failure_names_its_root_cause_rank_test_and_seed() -> None:
-    outcomes = [_ended(0, Ending.RETURNED), _raised(1, ValueError, "bad batch")]
+    outcomes = [outcome(0, Ending.RETURNED), _raised(1, ValueError("bad batch"))]
     with pytest.raises(pytest.fail.Exception) as failed:
         verdict.judge(_item(), SPEC, outcomes)
     first = str(failed.value).splitlines()[0]
@@ -84,18 +74,18 @@ def test_a_failure_names_its_root_cause_rank_test_and_seed() -> None:
 
 def test_xfail_raises_gets_the_ranks_error_or_a_failure_naming_the_other() -> None:
     expected = SimpleNamespace(kwargs={"raises": ValueError})
-    outcomes = [_ended(0, Ending.RETURNED), _raised(1, ValueError, "bad batch")]
+    outcomes = [outcome(0, Ending.RETURNED), _raised(1, ValueError("bad batch"))]
     with pytest.raises(ValueError, match="rank 1 failed"):
         verdict.judge(_item(expected), SPEC, outcomes)
-    other = [_ended(0, Ending.RETURNED), _raised(1, KeyError, "'k'")]
+    other = [outcome(0, Ending.RETURNED), _raised(1, KeyError("k"))]
     with pytest.raises(pytest.fail.Exception, match=r"xfail\(raises=ValueError\) does not expect"):
         verdict.judge(_item(expected), SPEC, other)
 
 
 def test_a_fault_that_never_fired_is_never_xfailed() -> None:
     item = _item()
-    missed = _ended(1, Ending.RAISED, exc_type=verdict.FAULT_NOT_REACHED, message="never fired")
-    verdict.note_missed_faults(item, [_ended(0, Ending.RETURNED), missed])
+    missed = outcome(1, Ending.RAISED, exc_type=verdict.FAULT_NOT_REACHED, message="never fired")
+    verdict.note_missed_faults(item, [outcome(0, Ending.RETURNED), missed])
     report = SimpleNamespace(outcome="skipped", wasxfail="reason")
     verdict.refuse_xfail(item, report)  # type: ignore[arg-type]
     assert report.outcome == "failed" and not hasattr(report, "wasxfail")
