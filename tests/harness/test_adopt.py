@@ -99,6 +99,10 @@ class TestThreeRanks(TwoRanks):
     def test_world_size_override(self):
         self.join_group()
         assert dist.get_world_size() == 3
+        # gloo's set-up returns on a rank once its own pairs connect: without a collective,
+        # rank 1 could end (and close its pairs) while ranks 0 and 2 still connect theirs,
+        # under torch's own spawn as here.
+        dist.barrier()
 
 
 class TestOwnEntryPoint(TwoRanks):
