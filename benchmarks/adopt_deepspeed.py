@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import OUT, TIMING_CONFTEST, Sample, replaced_ranks
-from harness import shared_memory
+from harness.adopt.deepspeed import shm_buffers
 
 SELECTION = (  # CPU-runnable with gloo: comm, runtime, utils, ZeRO stages 1-3 on small models
     "unit/comm/test_dist.py",
@@ -148,7 +148,7 @@ def _environment(plugin_dir: Path, times: Path, path: tuple[str, ...] = ()) -> d
 @contextlib.contextmanager
 def buffers_left_removed() -> Iterator[None]:
     """The all-reduce buffers DeepSpeed's own pools leave in /dev/shm (66 MB a rank process,
-    never unlinked: see harness/shared_memory.py), those made or rewritten while this runs,
+    never unlinked: see harness/shm_buffers.py), those made or rewritten while this runs,
     removed after it: a machine that runs DeepSpeed's tests as they are fills its memory."""
     before = buffers_written()
     try:
@@ -162,7 +162,7 @@ def buffers_left_removed() -> Iterator[None]:
 def buffers_written() -> dict[Path, float]:
     """This user's DeepSpeed buffers in /dev/shm, with when each was last written."""
     found = {}
-    for path in shared_memory.SHM_DIR.glob(f"{shared_memory.PREFIX}_{os.getuid()}_*"):
+    for path in shm_buffers.SHM_DIR.glob(f"{shm_buffers.PREFIX}_{os.getuid()}_*"):
         with contextlib.suppress(OSError):  # gone meanwhile
             found[path] = path.stat().st_mtime
     return found

@@ -12,6 +12,13 @@ by folder, so that a new module is held to them by where it lies:
   ``harness/common/``: a rank runs tests, the pytest process judges them;
 - nothing outside ``harness/launched/`` imports it but ``plugin.py`` (and the package's
   ``pytest_plugins`` list, which names ``launched.reports``: its early configure);
+- nothing outside ``harness/warm/`` imports it but ``plugin.py``, which puts warm ranks in
+  place: the rest reaches ranks through ``seam.py`` (``Ranks``, ``OwnRanks``);
+- ``harness/plan/`` (what the pytest side, warm ranks and a launch all read) imports only
+  ``harness/plan/`` and ``harness/common/``;
+- ``harness/adopt/`` is imported only by the package, ``plugin.py`` and ``hookspecs.py``;
+  ``harness/pytest_side/`` only by those and ``harness/adopt/`` (nothing below them: warm,
+  launched, plan, rank, common);
 - no module of ``harness/``, ``lib/`` or ``benchmarks/`` imports another module's private
   name (``_x``), or a private module of another package (``rankwise._wire`` from the
   harness); a package's own private modules are its own (``rankwise._launch`` from
@@ -34,6 +41,13 @@ SOURCES = (ROOT / "harness", ROOT / "lib" / "rankwise", ROOT / "benchmarks")
 COMMON = "harness.common"  # both processes
 RANK_SIDE = "harness.rank"  # inside a rank only
 LAUNCH = "harness.launched"  # pytest under torchrun, entered through plugin.py alone
+PLAN = "harness.plan"  # read by every side above common/: imports only plan/ and common/
+# Packages that only these modules outside them may import (besides the benchmarks).
+ONLY_FROM = {
+    "harness.warm": ("harness.plugin",),
+    "harness.adopt": ("harness", "harness.plugin", "harness.hookspecs"),
+    "harness.pytest_side": ("harness", "harness.plugin", "harness.adopt"),
+}
 PYTEST_INTERNALS = "harness.common.pytest_internals"  # the one module that reads _pytest
 # The ways into harness/launched/: plugin.py registers its hooks under a launch; the
 # package's pytest_plugins names launched.reports (its early configure imports no torch).
@@ -176,12 +190,30 @@ def broken_rules(edges: dict[str, set[str]]) -> list[str]:
                 broken.append(
                     f"{name} imports {target}: harness/common/ imports nothing outside it"
                 )
+            broken += _floor_rules(name, target)
             allowed = _inside(target, RANK_SIDE) or _inside(target, COMMON)
             if _inside(name, RANK_SIDE) and not allowed:
                 broken.append(
                     f"{name} imports {target}: harness/rank/ imports only harness/rank/ and "
                     f"harness/common/ (the rank side imports no pytest side)"
                 )
+    return broken
+
+
+def _floor_rules(name: str, target: str) -> list[str]:
+    """What `name` importing `target` breaks of plan/'s floor and the packages entered only
+    from above (ONLY_FROM)."""
+    broken = []
+    if _inside(name, PLAN) and not (_inside(target, PLAN) or _inside(target, COMMON)):
+        broken.append(f"{name} imports {target}: harness/plan/ imports only plan/ and common/")
+    for package, entries in ONLY_FROM.items():
+        outside = _inside(target, package) and not _inside(name, package)
+        entered = any(name == e or (e != "harness" and _inside(name, e)) for e in entries)
+        if outside and not name.startswith("benchmarks") and not entered:
+            broken.append(
+                f"{name} imports {target}: only {', '.join(entries)} may import "
+                f"{package.replace('.', '/')}/"
+            )
     return broken
 
 

@@ -12,19 +12,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from harness.adopt import Adopter
+    from harness.adopt.core import Adopter
+    from harness.adopt.pool import RankPool, RankPoolError
+    from harness.adopt.spawn import spawn
     from harness.common.assertions import assert_close_across_ranks, assert_on_all_ranks
     from harness.common.expect import Expected, aborts, exits, hangs, killed, raises, returns
     from harness.common.faults import Fault, fault_point
     from harness.common.outcome import Ending, RankOutcome
-    from harness.kept_pool import RankPool, RankPoolError
-    from harness.run_on_ranks import RankRunner, WorldOutcome
-    from harness.runner import RanksReplacedWarning
-    from harness.simulate import ThreadedWorldError
+    from harness.pytest_side.run_on_ranks import RankRunner, WorldOutcome
+    from harness.pytest_side.runner import RanksReplacedWarning
     from harness.simulation.collective_log import CollectiveLog, CollectiveRecord
     from harness.simulation.fake_world import FakeWorld
+    from harness.simulation.fixtures import ThreadedWorldError
     from harness.simulation.threaded_world import ThreadRank
-    from harness.spawning import spawn
 
 __all__ = [
     "Adopter",
@@ -72,18 +72,18 @@ _LAZY = {
     "fault_point": "harness.common.faults",
     "Ending": "harness.common.outcome",
     "RankOutcome": "harness.common.outcome",
-    "RankRunner": "harness.run_on_ranks",
-    "WorldOutcome": "harness.run_on_ranks",
-    "RanksReplacedWarning": "harness.runner",
-    "Adopter": "harness.adopt",
-    "ThreadedWorldError": "harness.simulate",
+    "RankRunner": "harness.pytest_side.run_on_ranks",
+    "WorldOutcome": "harness.pytest_side.run_on_ranks",
+    "RanksReplacedWarning": "harness.pytest_side.runner",
+    "Adopter": "harness.adopt.core",
+    "ThreadedWorldError": "harness.simulation.fixtures",
     "CollectiveLog": "harness.simulation.collective_log",
     "CollectiveRecord": "harness.simulation.collective_log",
     "FakeWorld": "harness.simulation.fake_world",
     "ThreadRank": "harness.simulation.threaded_world",
-    "RankPool": "harness.kept_pool",
-    "RankPoolError": "harness.kept_pool",
-    "spawn": "harness.spawning",
+    "RankPool": "harness.adopt.pool",
+    "RankPoolError": "harness.adopt.pool",
+    "spawn": "harness.adopt.spawn",
 }
 
 
@@ -109,9 +109,9 @@ def __dir__() -> list[str]:
 # pytest registers these (hooks and fixtures) when it registers this module.
 pytest_plugins = [
     "harness.plugin",
-    "harness.simulate",
-    "harness.adopt",
-    "harness.spawning",
-    "harness.kept_pool",
+    "harness.simulation.fixtures",
+    "harness.adopt.core",
+    "harness.adopt.spawn",
+    "harness.adopt.pool",
     "harness.launched.reports",
 ]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from harness.adopt import Adopter
+    from harness.adopt.core import Adopter
 
 
 @pytest.hookspec

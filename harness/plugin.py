@@ -12,27 +12,16 @@ from typing import Any
 
 import pytest
 
-from harness import (
-    hookspecs,
-    junit_labels,
-    made_in_ranks,
-    packing,
-    runner,
-    seam,
-    seeds,
-    settings,
-    specs,
-    timeout_interop,
-    verdict,
-    versions,
-)
+from harness import hookspecs, seam
 from harness.common import torch_import_warnings
 from harness.common.errors import HarnessError, SpecError
 from harness.common.faults import Fault
 from harness.common.protocol import RankSpec
-from harness.run_on_ranks import RankRunner
+from harness.plan import made_in_ranks, packing, seeds, settings, specs, timeout_interop
+from harness.plan.specs import SPEC_ERROR_KEY, SPEC_KEY
+from harness.pytest_side import junit_labels, runner, verdict, versions
+from harness.pytest_side.run_on_ranks import RankRunner
 from harness.seam import ranks_of
-from harness.specs import SPEC_ERROR_KEY, SPEC_KEY
 from harness.warm import preload
 from harness.warm import session as warm
 
@@ -103,7 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
     with torch_import_warnings.held(kept):  # a launch imports torch here: said at collection
         session_settings = settings.configure(config)
         launch = session_settings.launched
-        seam.use(config, warm.WarmRanks(config))
+        own = warm.WarmRanks(config)
+        seam.use(config, own)
+        seam.use_own(config, own)
         if launch is not None:  # the one question asked: the launch's hooks answer the rest
             from harness.launched.hooks import LaunchedPlugin
 
@@ -120,9 +111,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _register_adopters(config: pytest.Config) -> None:
     """torch's and DeepSpeed's adopters, and the projects' (imported here: pytest imports
     the adoption module itself, from the package's pytest_plugins, to rewrite it first)."""
-    from harness.adopt import register_adopters
-    from harness.adopt_deepspeed import DeepSpeedAdopter
-    from harness.adopt_torch import TorchAdopter
+    from harness.adopt.core import register_adopters
+    from harness.adopt.deepspeed.adopter import DeepSpeedAdopter
+    from harness.adopt.torch.adopter import TorchAdopter
 
     register_adopters(config, [TorchAdopter(), DeepSpeedAdopter()])
 

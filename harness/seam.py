@@ -5,11 +5,16 @@ them in place at configure. Under torchrun the launch's plugin puts its own in t
 this process is one of the ranks. ``runner`` runs and judges every test one way through
 it, so what happens after a body (warnings, leftovers, output, the verdict) exists once.
 
+Adopted suites, ``harness.spawn``, ``rank_pool`` and a session fixture's ``run_on_ranks`` call
+run on rank processes this process starts itself, whatever the session: :class:`OwnRanks`
+(warm ranks, ``own_ranks_of``), under a launch too.
+
 Loaded with the plugin; imports no torch.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,7 +22,7 @@ from typing import Any, Protocol
 import pytest
 
 from harness.common.outcome import RankOutcome
-from harness.common.protocol import RankSpec
+from harness.common.protocol import RankSpec, Target
 
 
 class Ranks(Protocol):
@@ -74,7 +79,61 @@ class Ranks(Protocol):
         ...
 
 
+class Cut:
+    """A caller's handle to end a run early: at `at` (time.monotonic()) the ranks still
+    running count as hung, with `why` in their note. A harness.spawn(join=False) run whose
+    test failed while it ran: nobody will join it."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.why = ""
+        self.asked_at = 0.0
+
+    def after(self, seconds: float, why: str) -> None:
+        """End the run as hung `seconds` from now unless it ends first."""
+        now = time.monotonic()
+        self.why, self.asked_at, self.at = why, now, now + seconds
+
+
+class OwnRanks(Ranks, Protocol):
+    """Rank processes this process starts itself: besides a test's body, any module-level
+    target a caller packs (an adopted base's entry point, harness.spawn's function)."""
+
+    def import_ahead(
+        self, item: pytest.Item | None, spec: RankSpec, target: Target
+    ) -> list[RankOutcome]:
+        """The ranks for `spec` import `target`'s module under the import's own bound before
+        `item` runs: empty when they have it (or imported it now), else every rank's
+        outcome of the import (the run's failure)."""
+        ...
+
+    def run_target(
+        self,
+        spec: RankSpec,
+        target: Target,
+        args_blob: bytes,
+        on_start: Callable[[list[int]], None] | None = None,
+        cut: Cut | None = None,
+    ) -> list[RankOutcome]:
+        """`target` with the encoded (args, kwargs) on every rank for `spec`; `on_start` is
+        told the rank processes as the run starts, `cut` may end it early."""
+        ...
+
+    def failure_grace_s(self) -> float:
+        """How long the peers of a failed rank get to finish before they count as hung."""
+        ...
+
+    def take_start_output(
+        self, item: pytest.Item
+    ) -> tuple[str, tuple[str, list[RankOutcome]] | None]:
+        """What starting the ranks printed before `item`, once: the fork server's preload of
+        the tests' imports (or ""), and the module the ranks imported for `item` with each
+        rank's outcome (None when they had it already)."""
+        ...
+
+
 _ranks_key = pytest.StashKey[Ranks]()
+_own_key = pytest.StashKey[OwnRanks]()
 
 
 def ranks_of(config: pytest.Config) -> Ranks:
@@ -86,6 +145,16 @@ def use(config: pytest.Config, ranks: Ranks) -> None:
     """Run the session's tests on `ranks`: the plugin puts warm ranks in place at configure,
     and a launch's plugin its own after it."""
     config.stash[_ranks_key] = ranks
+
+
+def use_own(config: pytest.Config, ranks: OwnRanks) -> None:
+    """The rank processes this process starts itself (the plugin's warm ranks, at configure)."""
+    config.stash[_own_key] = ranks
+
+
+def own_ranks_of(config: pytest.Config) -> OwnRanks:
+    """The rank processes this process starts itself, whatever the session's tests run on."""
+    return config.stash[_own_key]
 
 
 def skip_without_gpus(needed: int) -> None:

@@ -127,3 +127,20 @@ def test_the_changelog_has_a_section_per_version() -> None:
     long = [entry[0] for entry in entries if len(entry) > 2]
     assert entries and not long, long
     assert len(text.splitlines()) <= 300
+
+
+@pytest.mark.unit
+def test_pyproject_lists_every_package_of_the_source_tree() -> None:
+    """setuptools installs only the packages pyproject names: a new folder left out of the
+    list would pass from the checkout and be missing from the wheel."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    listed = re.search(r"^packages = \[(.*?)\]", (root / "pyproject.toml").read_text(), re.M | re.S)
+    assert listed is not None
+    declared = set(re.findall(r'"([^"]+)"', listed[1]))
+    found = {"rankwise"} | {
+        ".".join(p.parent.relative_to(root).parts) for p in (root / "harness").rglob("__init__.py")
+    }
+    assert found == declared, f"pyproject's packages differ: {sorted(found ^ declared)}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rankwise import _versions
 
-from harness import versions as harness_versions
+from harness.pytest_side import versions as harness_versions
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 

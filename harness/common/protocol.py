@@ -178,7 +178,7 @@ class RankSpec:
     # a ranks test's needs only its repr, for pytest's warning.
     keep_value: bool = True
     # Each rank seeds random, torch and numpy with seed + rank (seed alone: same_seed) before
-    # the body; None: from os.urandom (see seeds.py).
+    # the body; None: from os.urandom (see plan/seeds.py).
     seed: int | None = None
     same_seed: bool = False
 
@@ -257,7 +257,7 @@ class RunTask:
     # The session's secret for the keys the ranks write in the pytest process's store (see
     # signing.py): it travels over the rank's private pipe only.
     secret: bytes | None = None
-    coverage: CoverageSetup | None = None  # the rank measures coverage so (see measured.py)
+    coverage: CoverageSetup | None = None  # the rank measures coverage so (see plan/measured.py)
     # What it has in common with the other ranks' tasks of its run, pickled once for them all.
     _common: _Common = field(default_factory=_Common, init=False, compare=False, repr=False)
 

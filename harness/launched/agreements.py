@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 import torch
 
-from harness import seeds
 from harness.common.outcome import ranks_phrase
 from harness.launched import records
 from harness.launched.gathered import Gathered
 from harness.launched.nodes import Nodes
 from harness.launched.session import AGREE_S, LaunchedSession
 from harness.launched.store import store_is_here
-from harness.settings import settings_of, use_seed
+from harness.plan import seeds
+from harness.plan.settings import settings_of, use_seed
 
 # What each rank says of itself at the start (see agree_on_backend).
 _WORD: dict[str, type | tuple[type, ...]] = {

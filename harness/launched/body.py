@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from harness import timeout_interop
 from harness.common import endings, environment, reaper
 from harness.common.errors import HarnessError
 from harness.common.faults import Fault, Injector
@@ -23,6 +22,7 @@ from harness.common.outcome import Ending, RankOutcome, failure_text, ranks_phra
 from harness.common.protocol import RankSpec
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
+from harness.plan import timeout_interop
 from harness.rank.body import run_body
 
 endings.skip_frames_of(__file__)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from harness.common import reaper
-from harness.stacks import crash_stack
+from harness.common.stacks import crash_stack
 
 # faulthandler's words for each fatal signal it reports.
 _SIGNALS = {

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness import hypothesis_search, seam, timeout_interop
+from harness import seam
 from harness.common import faults, torch_import_warnings
 from harness.common.launch_detect import Launch
 from harness.common.outcome import RankOutcome, without_cpp_frames
@@ -28,8 +28,9 @@ from harness.launched import agreements, body, coverage, error_files, terminal, 
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import LaunchedSession, start
 from harness.launched.watch import FixtureTimer
-from harness.settings import settings_of
-from harness.specs import SPEC_KEY
+from harness.plan import hypothesis_search, timeout_interop
+from harness.plan.settings import settings_of
+from harness.plan.specs import SPEC_KEY
 
 
 class LaunchedPlugin:

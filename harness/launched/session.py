@@ -46,8 +46,8 @@ from harness.launched.store import (
     store_gone,
 )
 from harness.launched.watch import Watch
+from harness.plan.settings import session_timeout, settings_of
 from harness.rank import group_release
-from harness.settings import session_timeout, settings_of
 
 # Bound on the session-level agreements (backend, collection, exit status): ranks reach them
 # at about the same time, but collection on a busy node can take a while.

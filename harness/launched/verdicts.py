@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from harness import timeout_interop
 from harness.common.outcome import ranks_phrase, report_looks_collateral
 from harness.launched import records
 from harness.launched.gathered import Gathered
 from harness.launched.session import LaunchedSession
-from harness.settings import session_timeout, settings_of
+from harness.plan import timeout_interop
+from harness.plan.settings import session_timeout, settings_of
 
 
 def fixtures_key(launched: LaunchedSession) -> str:

@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from harness.common.outcome import Ending, RankOutcome, failure_text
+from harness.common.stacks import trim_in_process
 from harness.launched.fate import Fate
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
-from harness.stacks import trim_in_process
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
 # (torchrun allows 30 s between its SIGTERM and its SIGKILL).

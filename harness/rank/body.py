@@ -134,7 +134,7 @@ def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector)
 
 def seed_generators(seed: int | None, rank: int, same: bool) -> None:
     """Seed this rank's random, torch (CPU and CUDA) and numpy generators for the body: with
-    `seed` + `rank` (`seed` alone when `same`), by seeds.py's rule; from os.urandom when no
+    `seed` + `rank` (`seed` alone when `same`), by plan/seeds.py's rule; from os.urandom when no
     seed is given (warm ranks share the fork server's generator state: unseeded, every rank
     drew the same numbers, and a test of gradient averaging passed with no averaging)."""
     if seed is None:

@@ -4,7 +4,7 @@
 records, ``recwarn`` its warnings, ``monkeypatch`` patches and undoes here, ``tmp_path`` and
 ``tmpdir`` are this rank's own directory, and ``request`` is a snapshot of the pytest-side
 request (node, markers, parameters, options) whose ``addfinalizer`` runs in the rank. The
-test's own fixtures that use any of these (see ``harness.made_in_ranks``) are called here too,
+test's own fixtures that use any of these (see ``harness.plan.made_in_ranks``) are called here too,
 from the recipes the pytest process sent. Runs inside ranks; imports pytest, not torch.
 """
 

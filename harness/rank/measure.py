@@ -1,4 +1,4 @@
-"""Coverage inside a warm rank: measured as the pytest process is (see harness/measured.py),
+"""Coverage inside a warm rank: measured as the pytest process is (see harness/plan/measured.py),
 from the rank's first task on, and saved after every task, since a rank never ends in a way
 that saves it (``os._exit`` when pytest goes, SIGKILL when it is replaced).
 

@@ -1,4 +1,4 @@
-"""Worlds simulated in one process, behind the fixtures of ``harness.simulate``.
+"""Worlds simulated in one process, behind the fixtures of ``harness.simulation.fixtures``.
 
 - ``fake_world``: FakeWorld (one rank of a world of any size, its mesh and nodes) and the
   record of the collectives it would run (``collective_log``).

@@ -19,16 +19,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness import measured
 from harness.common import environment, loopback, reaper, signing
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import CURRENT_TEST, RankSpec, RunTask, StartMethod, Target
 from harness.common.rank_state import RankState
+from harness.plan import measured
+from harness.seam import Cut
 from harness.warm import forkserver, workdir
 from harness.warm.live_output import LiveStreams
 from harness.warm.preload import PreloadPlan
 from harness.warm.processes import Pool, PoolKey, PoolStartError
-from harness.warm.run_loop import Cut
 
 # A group set-up that failed on every rank (the body never ran) is retried this many times,
 # while at least MIN_SET_UP_RETRY_S of the run's bound is left.

@@ -33,8 +33,8 @@ from types import ModuleType
 
 import pytest
 
-from harness import adopters
-from harness.settings import settings_of
+from harness.plan import adopter_needs
+from harness.plan.settings import settings_of
 
 # What this process had imported when it first loaded the plugin; a session's own snapshot,
 # taken before its conftests load (see before_conftests), is used where there is one.
@@ -186,7 +186,7 @@ def adopted_libraries(config: pytest.Config) -> frozenset[str]:
     """Libraries an adopted suite tests from a source checkout (DeepSpeed's conftest puts its
     repository first on sys.path): preloaded wherever they come from, so that a new rank
     costs a fork, not their import."""
-    return adopters.libraries(config)
+    return adopter_needs.libraries(config)
 
 
 def _trusted(names: list[object]) -> list[str]:

@@ -34,9 +34,10 @@ from harness.common.protocol import (
     decode_counts,
     decode_where,
 )
+from harness.seam import Cut
 from harness.warm import forkserver
 from harness.warm.live_output import LiveStreams, RunOutput, tail
-from harness.warm.run_loop import Cut, RunEnd, RunLoop
+from harness.warm.run_loop import RunEnd, RunLoop
 from harness.warm.start_watch import CHECK_S, StartWatch
 
 _STUCK_START_HINT = {

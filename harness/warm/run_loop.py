@@ -25,7 +25,8 @@ from harness.common.hygiene import UNDONE
 from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
 from harness.common.protocol import DropGroup, Kind, Message, RankFiles, RunTask
 from harness.common.rank_state import RankState
-from harness.stacks import crash_stack, dump_stacks
+from harness.common.stacks import crash_stack, dump_stacks
+from harness.seam import Cut
 from harness.warm import collective_match
 from harness.warm.live_output import BOUND_POLL_S, LIVE_POLL_S, RunOutput, tail
 
@@ -66,22 +67,6 @@ class RankSlot(Protocol):
     def collectives_called(self) -> int: ...
     def read_collectives(self) -> tuple[int, dict[int, str]]: ...
     def read_where(self) -> str: ...
-
-
-class Cut:
-    """A caller's handle to end a run early: at `at` (time.monotonic()) the ranks still
-    running count as hung, with `why` in their note. A harness.spawn(join=False) run whose
-    test failed while it ran: nobody will join it."""
-
-    def __init__(self) -> None:
-        self.at: float | None = None
-        self.why = ""
-        self.asked_at = 0.0
-
-    def after(self, seconds: float, why: str) -> None:
-        """End the run as hung `seconds` from now unless it ends first."""
-        now = time.monotonic()
-        self.why, self.asked_at, self.at = why, now, now + seconds
 
 
 @dataclass(frozen=True)

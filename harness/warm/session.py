@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness import adopters, hypothesis_search, made_in_ranks, measured, packing
 from harness.common import rank_warnings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
+from harness.plan import adopter_needs, hypothesis_search, made_in_ranks, measured, packing
 from harness.seam import skip_without_gpus
 from harness.warm import preload
 
 if TYPE_CHECKING:
+    from harness.seam import Cut
     from harness.warm.forkserver import Preloaded
     from harness.warm.live_output import LiveStreams
     from harness.warm.pools import Pools
-    from harness.warm.run_loop import Cut
 
 
 class WarmRanks:
@@ -85,6 +85,31 @@ class WarmRanks:
     ) -> Path:
         return make()  # every rank runs on this machine: one directory serves them all
 
+    def import_ahead(
+        self, item: pytest.Item | None, spec: RankSpec, target: Target
+    ) -> list[RankOutcome]:
+        return import_ahead(self._config, item, spec, target)
+
+    def run_target(
+        self,
+        spec: RankSpec,
+        target: Target,
+        args_blob: bytes,
+        on_start: Callable[[list[int]], None] | None = None,
+        cut: Cut | None = None,
+    ) -> list[RankOutcome]:
+        return on_warm_ranks(self._config, spec, target, args_blob, on_start, cut)
+
+    def failure_grace_s(self) -> float:
+        from harness.warm.run_loop import failure_grace_s
+
+        return failure_grace_s()
+
+    def take_start_output(
+        self, item: pytest.Item
+    ) -> tuple[str, tuple[str, list[RankOutcome]] | None]:
+        return take_preload_output(item.config), take_import_output(item)
+
 
 _pools_key = pytest.StashKey["Pools"]()
 
@@ -115,9 +140,9 @@ def import_ahead(
     importing it is kept for `item`'s report: take_import_output; without an item, the
     warnings are re-emitted); else every rank's outcome (an import that failed or ran past
     its bound is the run's failure, reported as what it is)."""
+    from harness.common.stacks import fold_importlib
+    from harness.plan.settings import settings_of
     from harness.rank import loader
-    from harness.settings import settings_of
-    from harness.stacks import fold_importlib
     from harness.warm.processes import PoolKey
 
     pools = pools_of(config)
@@ -178,7 +203,7 @@ def pools_of(config: pytest.Config) -> Pools:
         from harness.warm.pools import Pools
 
         config.stash[_pools_key] = Pools(
-            lambda: preload.plan_of(config), endings=lambda: adopters.endings(config)
+            lambda: preload.plan_of(config), endings=lambda: adopter_needs.endings(config)
         )
     return config.stash[_pools_key]
 

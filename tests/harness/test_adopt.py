@@ -1055,7 +1055,7 @@ def test_a_failed_run_a_fixture_started_and_never_joined_fails_the_session(
 
 
 def test_spawn_says_what_to_do_outside_a_session() -> None:
-    from harness.spawning import _configs
+    from harness.adopt.spawn import _configs
 
     saved = list(_configs)
     _configs.clear()

@@ -375,7 +375,7 @@ def test_a_build_lock_left_over_fails_the_tests_saying_so_not_a_wait_for_ever(
     """torch's lock file in an op's build folder, left by a build killed midway, with no
     process working there: torch would wait on it for ever; the harness waits its bound
     (one test), says what to remove, and fails the next test at once."""
-    from harness import build_lock
+    from harness.adopt.deepspeed import build_lock
 
     monkeypatch.setattr(build_lock, "STALE_S", 1.0)
     lock = build_lock.build_folder("tiny_adam") / "lock"

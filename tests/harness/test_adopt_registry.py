@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from harness import adopt, adopters, settings
+from harness.adopt import core
+from harness.plan import adopter_needs, settings
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
@@ -19,18 +20,18 @@ class _Base:
         pass
 
 
-class _Ours(adopt.Adopter):
+class _Ours(core.Adopter):
     name = "ours"
     libraries = ("ourlib",)
 
     def claims(self, cls: type) -> bool:
-        return adopt.base_named(cls, "_Base", ("run_test",)) is not None
+        return core.base_named(cls, "_Base", ("run_test",)) is not None
 
     def endings(self, config: Any) -> list[Any]:
         return [print]
 
 
-class _Theirs(adopt.Adopter):
+class _Theirs(core.Adopter):
     name = "theirs"
 
     def claims(self, cls: type) -> bool:
@@ -49,37 +50,37 @@ def _config(asked: frozenset[str], *given: list[Any]) -> Any:
 
 def test_projects_adopters_join_the_built_in_ones_and_the_asked_give_their_libraries() -> None:
     config = _config(frozenset({"ours"}), [_Ours()], [_Theirs()])
-    adopt.register_adopters(config, built_in=[])
-    assert list(adopt.registered(config)) == ["ours", "theirs"]
-    assert [a.name for a in adopt.asked(config)] == ["ours"]
-    assert adopters.libraries(config) == frozenset({"ourlib"})
-    assert adopters.endings(config) == [print]
+    core.register_adopters(config, built_in=[])
+    assert list(core.registered(config)) == ["ours", "theirs"]
+    assert [a.name for a in core.asked(config)] == ["ours"]
+    assert adopter_needs.libraries(config) == frozenset({"ourlib"})
+    assert adopter_needs.endings(config) == [print]
 
 
 def test_a_conftest_asked_again_gives_the_same_adopter_once() -> None:
     config = _config(frozenset(), [_Ours()], [_Ours()])
-    adopt.register_adopters(config, built_in=[])
-    assert list(adopt.registered(config)) == ["ours"]
+    core.register_adopters(config, built_in=[])
+    assert list(core.registered(config)) == ["ours"]
 
 
 @pytest.mark.parametrize(
     ("given", "said"),
     [
         (object(), "return instances of a subclass of harness.Adopter"),
-        (type("Comma", (adopt.Adopter,), {"name": "a,b"})(), "must be new, non-empty"),
-        (type("Nameless", (adopt.Adopter,), {})(), "must be new, non-empty"),
+        (type("Comma", (core.Adopter,), {"name": "a,b"})(), "must be new, non-empty"),
+        (type("Nameless", (core.Adopter,), {})(), "must be new, non-empty"),
     ],
 )
 def test_a_bad_adopter_is_a_usage_error_saying_what_to_return(given: Any, said: str) -> None:
     with pytest.raises(pytest.UsageError, match=said):
-        adopt.register_adopters(_config(frozenset(), [given]), built_in=[])
+        core.register_adopters(_config(frozenset(), [given]), built_in=[])
 
 
 def test_an_asked_name_no_adopter_has_is_refused_after_collection_naming_the_known() -> None:
     config = _config(frozenset({"nosuch"}), [_Ours()])
-    adopt.register_adopters(config, built_in=[])
+    core.register_adopters(config, built_in=[])
     with pytest.raises(pytest.UsageError, match=r"nosuch.*use ours"):
-        adopt._check_asked(config)
+        core._check_asked(config)
 
 
 def test_a_class_another_adopter_claims_is_left_alone_unless_that_one_is_asked_too() -> None:
@@ -87,12 +88,12 @@ def test_a_class_another_adopter_claims_is_left_alone_unless_that_one_is_asked_t
         pass
 
     config = _config(frozenset({"theirs"}), [_Ours()], [_Theirs()])
-    adopt.register_adopters(config, built_in=[])
-    said = adopt.claimed_elsewhere(config, Test, "theirs") or ""
+    core.register_adopters(config, built_in=[])
+    said = core.claimed_elsewhere(config, Test, "theirs") or ""
     assert "add ours to --rank-adopt" in said  # ours claims it and is not asked
-    config.stash[adopt._asked_key] = frozenset({"ours", "theirs"})
-    assert adopt.claimed_elsewhere(config, Test, "theirs") is None
-    assert adopt.claimed_elsewhere(config, _Ours, "ours") is None  # no other claims it
+    config.stash[core._asked_key] = frozenset({"ours", "theirs"})
+    assert core.claimed_elsewhere(config, Test, "theirs") is None
+    assert core.claimed_elsewhere(config, _Ours, "ours") is None  # no other claims it
 
 
 def test_a_base_is_found_by_name_and_parts_and_parameters_without_self() -> None:
@@ -100,7 +101,7 @@ def test_a_base_is_found_by_name_and_parts_and_parameters_without_self() -> None
         def helper(self, rank: int, world_size: int) -> None:
             pass
 
-    assert adopt.base_named(Test, "_Base", ("run_test",)) is _Base
-    assert adopt.base_named(Test, "_Base", ("missing",)) is None
-    assert adopt.parameters_of(Test.helper) == ["rank", "world_size"]
-    assert adopt.parameters_of(3) == []
+    assert core.base_named(Test, "_Base", ("run_test",)) is _Base
+    assert core.base_named(Test, "_Base", ("missing",)) is None
+    assert core.parameters_of(Test.helper) == ["rank", "world_size"]
+    assert core.parameters_of(3) == []

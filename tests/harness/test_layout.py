@@ -43,25 +43,42 @@ def test_the_import_rules_hold() -> None:
 @pytest.mark.unit
 def test_the_rules_catch_what_they_are_for() -> None:
     """The check itself: a circle, a module importing the launch, a rank importing runner or
-    a warm module, a module both sides use importing either side."""
+    a warm module, a module both sides use importing either side, warm ranks reached past the
+    seam, plan/ importing upwards, adoption or the pytest side imported from below."""
     graph: object = _import_graph()
     edges = {
         "harness.a": {"harness.b"},
         "harness.b": {"harness.a"},
-        "harness.runner": {"harness.launched.session"},
-        "harness.rank.worker": {"harness.runner", "harness.warm.pools", "harness.common.x"},
-        "harness.common.protocol": {"harness.rank.state", "harness.settings"},
+        "harness.pytest_side.runner": {"harness.launched.session", "harness.warm.session"},
+        "harness.plan.settings": {"harness.pytest_side.verdict", "harness.common.errors"},
+        "harness.warm.preload": {"harness.adopt.core", "harness.plan.settings", "harness.seam"},
+        "harness.adopt.spawn": {"harness.pytest_side.runner", "harness.seam"},
+        "benchmarks.adopt": {"harness.warm.session", "harness.adopt.core"},
+        "harness.rank.worker": {
+            "harness.pytest_side.runner",
+            "harness.warm.pools",
+            "harness.common.x",
+        },
+        "harness.common.protocol": {"harness.rank.state", "harness.plan.settings"},
         "harness.rank.new_module": {"harness.warm.session"},
     }
     broken = graph.broken_rules(edges)  # type: ignore[attr-defined]
     assert "import circle: harness.a -> harness.b -> harness.a" in broken
-    assert any("harness.runner imports harness.launched.session" in b for b in broken)
-    assert any("harness.rank.worker imports harness.runner" in b for b in broken)
+    assert any("harness.pytest_side.runner imports harness.launched.session" in b for b in broken)
+    assert any("harness.rank.worker imports harness.pytest_side.runner" in b for b in broken)
     assert any("harness.rank.worker imports harness.warm.pools" in b for b in broken)
     assert not any("harness.common.x" in b for b in broken)
     assert any("harness.common.protocol imports harness.rank.state" in b for b in broken)
-    assert any("harness.common.protocol imports harness.settings" in b for b in broken)
+    assert any("harness.common.protocol imports harness.plan.settings" in b for b in broken)
     assert any("harness.rank.new_module imports harness.warm.session" in b for b in broken)
+    # Floors: warm ranks reached only through the seam, plan/ below every side, adoption
+    # and the pytest side entered only from above.
+    assert any("harness.pytest_side.runner imports harness.warm.session" in b for b in broken)
+    assert any("harness.plan.settings imports harness.pytest_side.verdict" in b for b in broken)
+    assert any("harness.warm.preload imports harness.adopt.core" in b for b in broken)
+    fine = ("imports harness.common.errors", "imports harness.seam", "preload imports harness.plan")
+    for allowed in (*fine, "harness.adopt.spawn imports", "benchmarks.adopt imports"):
+        assert not any(allowed in b for b in broken), allowed
 
 
 @pytest.mark.unit
@@ -115,7 +132,7 @@ def test_the_private_name_check_catches_what_it_is_for(tmp_path: Path) -> None:
         "import rankwise\n"
         "rankwise._wire.encode(1, 'x')\n"
     )
-    found = graph._private_in("harness.rank.adopted", module)  # type: ignore[attr-defined]
+    found = graph._private_in("harness.adopt.ranks", module)  # type: ignore[attr-defined]
     assert len(found) == 6, found
     assert any("reads harness.rank.worker._flush" in f for f in found)
     assert any("reads rankwise._wire" in f for f in found)
@@ -135,7 +152,12 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_the_pytest_side_loads_no_module_of_the_launch() -> None:
-    for module in ("harness.runner", "harness.settings", "harness.warm.pools", "harness.seam"):
+    for module in (
+        "harness.pytest_side.runner",
+        "harness.plan.settings",
+        "harness.warm.pools",
+        "harness.seam",
+    ):
         assert _loaded_after(f"import {module}") == [], module
 
 

@@ -226,7 +226,7 @@ def test_a_warning_the_filters_make_an_error_fails_the_test_in_its_own_words(
     )
     result.stdout.fnmatch_lines(["*PytestReturnNotNoneWarning (an error under*"])
     text = result.stdout.str()
-    assert "harness/runner.py" not in text and "warnings.warn" not in text, text
+    assert "harness/pytest_side/runner.py" not in text and "warnings.warn" not in text, text
     result = inner.runpytest("-p", "harness", "-W", "error", "-W",
                              "ignore::harness.RanksReplacedWarning", "-k", "daemon")  # fmt: skip
     result.assert_outcomes(passed=1)

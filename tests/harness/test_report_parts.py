@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from harness.junit_labels import labelled
 from harness.launched.reports import REPORT_FILE_OPTIONS, turn_off_report_files
+from harness.pytest_side.junit_labels import labelled
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 

@@ -20,9 +20,10 @@ import pytest
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import Kind, Message, RankFiles, RankSpec, RunTask, Settled, Target
 from harness.common.rank_state import RankResult, RankState
+from harness.seam import Cut
 from harness.warm.collective_match import MISMATCH_TYPE
 from harness.warm.live_output import LiveStreams, RunOutput
-from harness.warm.run_loop import TEST_FAILURE_GRACE, Cut, RunEnd, RunLoop
+from harness.warm.run_loop import TEST_FAILURE_GRACE, RunEnd, RunLoop
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from harness import runner
 from harness.common.outcome import Ending
+from harness.pytest_side import runner
 from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast

@@ -1,4 +1,4 @@
-"""The ranks' generators are seeded from one session seed by one rule (harness/seeds.py):
+"""The ranks' generators are seeded from one session seed by one rule (harness/plan/seeds.py):
 session seed + crc32(node id) + rank, before each test. A failure that depends on random
 values comes back: pytest-randomly's seed reaches the ranks, or --rank-seed, or the drawn
 seed the header and the failure report print."""
@@ -135,7 +135,7 @@ def test_a_bad_seed_is_a_usage_error(inner: pytest.Pytester) -> None:
 
 
 def test_the_rule_is_what_the_docs_say() -> None:
-    from harness import seeds
+    from harness.plan import seeds
 
     session = seeds.SessionSeed(123, "--rank-seed")
     assert seeds.for_test(session, "t.py::test_x") == 123 + zlib.crc32(b"t.py::test_x")

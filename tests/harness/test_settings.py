@@ -10,9 +10,9 @@ from harness.common.errors import SpecError
 from harness.common.expect import ExpectationError, Expected, Wanted
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import LogCapture
-from harness.seeds import SessionSeed
-from harness.settings import DEFAULT_TIMEOUT_S, Settings, settings_of, timeout_for
-from harness.specs import spec_for, spec_for_call
+from harness.plan.seeds import SessionSeed
+from harness.plan.settings import DEFAULT_TIMEOUT_S, Settings, settings_of, timeout_for
+from harness.plan.specs import spec_for, spec_for_call
 
 TIMEOUTS = """
 import pytest
@@ -193,7 +193,7 @@ def test_a_bad_option_stays_a_usage_error(pytester: pytest.Pytester) -> None:
 
 
 def test_ranks_share_the_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.settings import usable_cores
+    from harness.plan.settings import usable_cores
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = usable_cores()

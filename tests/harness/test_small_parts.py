@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from harness import adopters, timeout_interop
 from harness.common import torch_import_warnings as notices
+from harness.plan import adopter_needs, timeout_interop
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 
@@ -21,17 +21,17 @@ def _config() -> Any:
 
 def test_without_adopters_the_warm_layer_gets_nothing() -> None:
     config = _config()
-    assert adopters.libraries(config) == frozenset() and adopters.endings(config) == []
+    assert adopter_needs.libraries(config) == frozenset() and adopter_needs.endings(config) == []
 
 
 def test_what_the_adopters_give_is_read_back_and_the_cleanups_list_is_a_copy() -> None:
     config = _config()
     ended: list[str] = []
-    adopters.give(config, frozenset({"deepspeed"}), [lambda: ended.append("shm")])
-    assert adopters.libraries(config) == frozenset({"deepspeed"})
-    found = adopters.endings(config)
+    adopter_needs.give(config, frozenset({"deepspeed"}), [lambda: ended.append("shm")])
+    assert adopter_needs.libraries(config) == frozenset({"deepspeed"})
+    found = adopter_needs.endings(config)
     found.clear()  # a reader's list: the stash keeps its own
-    (cleanup,) = adopters.endings(config)
+    (cleanup,) = adopter_needs.endings(config)
     cleanup()
     assert ended == ["shm"]
 

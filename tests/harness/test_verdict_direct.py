@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from harness import seam, settings, verdict
+from harness import seam
 from harness.common import endings
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
+from harness.plan import settings
+from harness.pytest_side import verdict
 from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast

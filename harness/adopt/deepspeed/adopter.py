@@ -1,5 +1,5 @@
 """DeepSpeed's DistributedTest suites on warm ranks: ``--rank-adopt deepspeed``, one instance of
-the adopter seam (adopters.py).
+the adopter seam (adopt/core.py).
 
 DeepSpeed's unit tests derive from ``DistributedTest`` or ``DistributedFixture`` (both on
 ``DistributedExec``, in its ``tests/unit/common.py``; followed here as of DeepSpeed commit
@@ -10,7 +10,7 @@ DeepSpeed resolves them. Only the launch changes. The base's ``_launch_with_file
 process pool per world size, a teardown barrier, then a 0.5 s pause) is replaced for the
 session: per world size the test keeps its file-store rendezvous and DeepSpeed's skip rule
 (``device_count()`` below the world size), and every warm rank runs the instance's own
-``_dist_run`` (rank/adopted_deepspeed.py). The harness judges each rank's end: the rank that
+``_dist_run`` (rank/ranks.py). The harness judges each rank's end: the rank that
 failed first is the root cause, a rank's ``sys.exit`` fails the test naming it, a hang is cut
 at the harness's bound with every rank's stack.
 
@@ -37,12 +37,12 @@ from typing import Any
 
 import pytest
 
-from harness import adopt, build_lock, packing, runner, shared_memory, timeout_interop
+from harness.adopt import core
+from harness.adopt.deepspeed import build_lock, ranks, shm_buffers
 from harness.common.errors import SpecError
 from harness.common.outcome import RankOutcome
-from harness.common.protocol import RankSpec
-from harness.rank import adopted_deepspeed
-from harness.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
+from harness.plan import packing
+from harness.plan.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
 
 BASE = "DistributedExec"
 # What the base must have for the adapter to follow it, and what a class must not override
@@ -73,10 +73,10 @@ _session_key = pytest.StashKey[_Session]()
 
 
 def _session(config: pytest.Config) -> _Session:
-    return adopt.session_state(config, _session_key, _Session)
+    return core.session_state(config, _session_key, _Session)
 
 
-class DeepSpeedAdopter(adopt.Adopter):
+class DeepSpeedAdopter(core.Adopter):
     """DeepSpeed's DistributedTest and DistributedFixture (on DistributedExec)."""
 
     name = "deepspeed"
@@ -102,7 +102,8 @@ class DeepSpeedAdopter(adopt.Adopter):
                 if base is None or base in session.patched or why_base_differs(base) is not None:
                     continue
                 session.patched[base] = vars(base)["_launch_with_file_store"]
-                base._launch_with_file_store = _adopted_launch(session.patched[base])  # type: ignore[attr-defined]
+                launch = _adopted_launch(self, session.patched[base])
+                base._launch_with_file_store = launch  # type: ignore[attr-defined]
 
     def setting_up(self, item: pytest.Item) -> None:
         """A DeepSpeed class that runs as it is gets its line in the summary (only those
@@ -110,7 +111,7 @@ class DeepSpeedAdopter(adopt.Adopter):
         for cls in _exec_classes(item):
             why = _why_not(item.config, cls)
             if why is not None:
-                adopt.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
+                core.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
 
     def ended(self, config: pytest.Config) -> None:
         session = config.stash.get(_session_key, None)
@@ -119,7 +120,36 @@ class DeepSpeedAdopter(adopt.Adopter):
 
     def endings(self, config: pytest.Config) -> list[Callable[[], None]]:
         """The all-reduce buffers of the runs going on when a signal ends the session."""
-        return [shared_memory.remove_in_use]
+        return [shm_buffers.remove_in_use]
+
+    def attempts(
+        self,
+        item: pytest.Item,
+        run_once: Callable[[tuple[Any, ...]], list[RankOutcome]],
+        args: tuple[Any, ...],
+    ) -> list[RankOutcome]:
+        """Each run on a new file store (in the store folder), told which JIT ops are built
+        and where; each op the ranks found not built is built here once, and the test runs
+        again (at most MAX_BUILDS times)."""
+        exec_, num_procs, port, store_dir, deepspeed_file = args
+        built = _session(item.config).ops_built
+
+        def run_on_a_new_store() -> list[RankOutcome]:
+            fd, store = tempfile.mkstemp(dir=store_dir, suffix="_filestore")
+            os.close(fd)
+            ready = tuple(sorted(built.items()))
+            with shm_buffers.buffers_removed_after(port):
+                return run_once((exec_, num_procs, port, f"file://{store}", deepspeed_file, ready))
+
+        outcomes = run_on_a_new_store()
+        for _ in range(MAX_BUILDS):  # each op a test asks for is built once, then it runs again
+            asked = builders_asked(outcomes)
+            if not asked:
+                break
+            for builder in asked:
+                built.update([_build(item.config, builder)])
+            outcomes = run_on_a_new_store()
+        return outcomes
 
 
 def _exec_classes(item: pytest.Item) -> list[type]:
@@ -143,7 +173,7 @@ def _exec_classes(item: pytest.Item) -> list[type]:
 
 def find_base(cls: type) -> type | None:
     """DeepSpeed's DistributedExec among `cls`'s bases, known by its name and its launch."""
-    return adopt.base_named(cls, BASE, ("_launch_procs", "_dist_run"))
+    return core.base_named(cls, BASE, ("_launch_procs", "_dist_run"))
 
 
 def why_base_differs(base: type) -> str | None:
@@ -151,7 +181,7 @@ def why_base_differs(base: type) -> str | None:
     missing = [name for name in NEEDED if not callable(vars(base).get(name))]
     dist_run = vars(base).get("_dist_run")
     launch = vars(base).get("_launch_procs")
-    if missing or adopt.parameters_of(dist_run)[:4] != DIST_RUN_ARGS:
+    if missing or core.parameters_of(dist_run)[:4] != DIST_RUN_ARGS:
         changed = ", ".join(missing) or "_dist_run's parameters"
         return f"its DistributedExec is not the one the harness follows ({changed} changed)"
     if "get_accelerator" not in getattr(launch, "__globals__", {}):
@@ -184,7 +214,7 @@ def _why_not(config: pytest.Config, cls: type) -> str | None:
 # ---- the launch -----------------------------------------------------------------------------
 
 
-def _adopted_launch(original: Callable[..., Any]) -> Callable[..., Any]:
+def _adopted_launch(adopter: DeepSpeedAdopter, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def launch(self: Any, request: Any, world_size: Any) -> None:
         item = getattr(request, "node", None)
@@ -193,12 +223,12 @@ def _adopted_launch(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         if not isinstance(item, pytest.Item):  # a DistributedFixture of a wider scope
             where = f"{type(self).__module__}.{type(self).__qualname__}"
-            adopt.note_not_adopted(request.config, where, "a fixture set up outside a test")
+            core.note_not_adopted(request.config, where, "a fixture set up outside a test")
             original(self, request, world_size)
             return
         tmpdir = request.getfixturevalue("tmpdir")  # where DeepSpeed makes its file stores
         for procs in _world_sizes(world_size):
-            run_world(self, item, procs, str(tmpdir))
+            run_world(adopter, self, item, procs, str(tmpdir))
 
     return launch
 
@@ -215,7 +245,9 @@ def _world_sizes(value: Any) -> list[int]:
     return list(sizes)
 
 
-def run_world(exec_: Any, item: pytest.Item, num_procs: int, store_dir: str) -> None:
+def run_world(
+    adopter: DeepSpeedAdopter, exec_: Any, item: pytest.Item, num_procs: int, store_dir: str
+) -> None:
     """One world size of a DeepSpeed test or fixture, on warm ranks (DeepSpeed's _launch_procs),
     each run with a file store of its own in `store_dir`, as DeepSpeed makes one per launch."""
     base = find_base(type(exec_))
@@ -231,46 +263,16 @@ def run_world(exec_: Any, item: pytest.Item, num_procs: int, store_dir: str) -> 
         raise AssertionError("Cannot reuse distributed environment with non-daemonic processes")
     _extensions_built_once(item.config, accelerator)
     _picklable(exec_)
-    spec = adopt.adopted_spec(item, num_procs, timeout=_timeout(item, exec_))
-    deepspeed = sys.modules.get("deepspeed")
-    session = _session(item.config)
-    with timeout_interop.pytest_timeout_paused(item), _held_port() as port:
-        args = (
-            packing.function_target(type(exec_)),
-            exec_,
-            num_procs,
-            port,
-            store_dir,
-            getattr(deepspeed, "__file__", None),
-        )
-        outcomes = _run(item, spec, args, session.ops_built)
-        for _ in range(MAX_BUILDS):  # each op a test asks for is built once, then it runs again
-            asked = builders_asked(outcomes)
-            if not asked:
-                break
-            for builder in asked:
-                session.ops_built.update([_build(item.config, builder)])
-            outcomes = _run(item, spec, args, session.ops_built)
-    runner.after_body(item, spec, outcomes)
+    deepspeed_file = getattr(sys.modules.get("deepspeed"), "__file__", None)
+    with _held_port() as port:
+        args = (exec_, num_procs, port, store_dir, deepspeed_file)
+        timeout = _timeout(item, exec_)
+        adopter.run(item, num_procs, ranks.run_exec, type(exec_), *args, timeout=timeout)
 
 
 MAX_BUILDS = 4  # ops one test may JIT-build (cpu_adam, fused_adam, ...), each built once
 _NOT_BUILT = "ExtensionNotBuilt"
 _BUILDER = re.compile(r"\(([\w.]+:[\w.]+)\)")
-
-
-def _run(
-    item: pytest.Item, spec: RankSpec, args: tuple[Any, ...], built: dict[str, str]
-) -> list[RankOutcome]:
-    """The ranks' run on a new file store (in args' store folder), told which JIT ops are
-    built and where (run_exec's last argument)."""
-    target, exec_, num_procs, port, store_dir, deepspeed_file = args
-    fd, store = tempfile.mkstemp(dir=store_dir, suffix="_filestore")
-    os.close(fd)
-    run_args = (target, exec_, num_procs, port, f"file://{store}", deepspeed_file)
-    entry = adopted_deepspeed.run_exec
-    with shared_memory.buffers_removed_after(port):
-        return adopt.run_adopted(item, spec, entry, (*run_args, tuple(sorted(built.items()))))
 
 
 def builders_asked(outcomes: list[RankOutcome]) -> list[str]:

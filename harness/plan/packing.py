@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks
 from harness.common import pytest_internals
 from harness.common.errors import SpecError
 from harness.common.protocol import (
@@ -26,6 +25,7 @@ from harness.common.protocol import (
     Target,
     encode_args,
 )
+from harness.plan import made_in_ranks
 
 
 def test_target(item: pytest.Function, unwrap: str = "") -> Target:

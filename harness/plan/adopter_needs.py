@@ -1,4 +1,4 @@
-"""What the adopters a session asked for (``--rank-adopt``; see adopt.py) give the warm layer:
+"""What the adopters a session asked for (``--rank-adopt``; see adopt/core.py) give the warm layer:
 the libraries the fork server imports early, and cleanups for the warm ranks' end by a
 signal. Written once the adopters are registered (adopt.register_adopters); read by
 warm/preload.py and warm/session.py, which know nothing of any adopter.

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from harness.common import endings
-from harness.common.protocol import Target
 
 endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
 
@@ -63,7 +62,7 @@ ONCE_PER_PROCESS = ("ccl", "mpi", "hccl")
 
 class ExtensionNotBuilt(RuntimeError):
     """A test asked for a DeepSpeed op that is not built yet: the pytest process builds it
-    once, outside the test's bound, and runs the test again (adopt_deepspeed.py)."""
+    once, outside the test's bound, and runs the test again (adopter.py)."""
 
     def __init__(self, builder: type) -> None:
         self.builder = f"{builder.__module__}:{builder.__qualname__}"
@@ -139,7 +138,7 @@ class _SkipBox:
 
 
 def run_exec(
-    case: Target,
+    cls: type,
     exec_: Any,
     num_procs: int,
     master_port: str,

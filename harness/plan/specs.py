@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from harness import seeds
 from harness.common import expect as expectations
 from harness.common import faults as fault_specs
 from harness.common import hygiene, rank_warnings
 from harness.common.errors import SpecError, invalid
 from harness.common.protocol import RankSpec
-from harness.settings import (
+from harness.plan import seeds
+from harness.plan.settings import (
     Settings,
     backend_value,
     flag_value,

@@ -1,9 +1,8 @@
-"""What runs inside a rank for adopted suites, ``harness.spawn`` and the ``rank_pool`` fixture.
-
-Each function here is a run's target: the worker calls it on every rank with the rank (and
-world size) filled in, and it calls the user's own code as the original launcher would have.
-Exit statuses that torch's test bases use as signals become what they mean here: a skip, or
-the exception the rank raised. Runs only in ranks; the pytest process never imports it.
+"""What runs inside a rank for torch's adopted suites: each rank enters the class's own
+entry point (``_run`` for ``MultiProcessTestCase``, ``_worker_loop`` for
+``MultiProcContinuousTest``) as the base's spawned process would, and the exit statuses the base
+uses as signals become what they mean here: a skip, or the exception the rank raised. Runs only
+in ranks (adopter.py names these functions as the ranks' targets).
 """
 
 from __future__ import annotations
@@ -11,31 +10,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import unittest
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from harness.common import endings
 from harness.common.outcome import exit_code
-from harness.common.protocol import Target
-from harness.rank import loader
 
 endings.skip_frames_of(__file__)  # a rank's traceback starts in the test's code
-
-
-def named(target: Target) -> Any:
-    """The class or function `target` names, from its module as the worker loads it."""
-    holder: Any = loader.load_module(target.module, target.file)
-    for part in target.qualname.split("."):
-        holder = getattr(holder, part)
-    return holder
-
-
-def run_with_class(case: Target, entry: Target, *args: Any, rank: int) -> Any:
-    """A project's adopter's entry point on a warm rank (adopt.Adopter.run): `entry(cls,
-    *args, rank=rank)`, the test class as this rank imported its module, as pytest did."""
-    return named(entry)(named(case), *args, rank=rank)
 
 
 def error_exit_code() -> int:
@@ -56,7 +39,7 @@ def skip_messages() -> dict[int, str]:
 
 
 def run_multiprocess_case(
-    case: Target,
+    cls: Any,
     test_name: str,
     file_name: str,
     entry_kwargs: dict[str, Any],
@@ -70,7 +53,6 @@ def run_multiprocess_case(
     context) is raised again with its own traceback, its skip statuses become skips, and any
     other exit stays an exit, which the harness counts as a failure.
     """
-    cls = named(case)
     receiving, sending = multiprocessing.Pipe()
     try:
         cls._run(rank, test_name, file_name, sending, **entry_kwargs)
@@ -120,7 +102,7 @@ class _Results:
 
 
 def run_continuous_case(
-    case: Target, test_id: str, rdvz_file: str, world_size: int, *, rank: int
+    cls: Any, test_id: str, rdvz_file: str, world_size: int, *, rank: int
 ) -> None:
     """Run one test through the class's ``_worker_loop``, as the base's per-rank process does.
 
@@ -128,7 +110,6 @@ def run_continuous_case(
     and reports into a queue: a skip there is a skip, an error is raised again as the original
     exception (the base wraps it in a RuntimeError whose cause it is).
     """
-    cls = named(case)
     results = _Results()
     try:
         with _every_rank_set_up_before_the_test(cls):
@@ -198,29 +179,3 @@ def _wait_for_every_rank(rank: int, world_size: int) -> None:
     keys = [f"rankwise/set_up/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     store.wait(keys)
-
-
-# ---- harness.spawn and rank_pool ------------------------------------------------------------
-
-
-def run_spawned(fn: Target | Callable[..., Any], args: tuple[Any, ...], *, rank: int) -> Any:
-    """``fn(rank, *args)``, as torch.multiprocessing.spawn calls it in each process."""
-    return _callable(fn)(rank, *args)
-
-
-def run_pooled(
-    fn: Target | Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    rank: int,
-    world_size: int,
-) -> Any:
-    """``fn(rank, world_size, *args, **kwargs)`` in the run's process group."""
-    return _callable(fn)(rank, world_size, *args, **kwargs)
-
-
-def _callable(fn: Target | Callable[..., Any]) -> Callable[..., Any]:
-    """A function named by its Target, or a bound method that came whole."""
-    found: Callable[..., Any] = named(fn) if isinstance(fn, Target) else fn
-    return found

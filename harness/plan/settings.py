@@ -15,7 +15,6 @@ from typing import Any, cast
 
 import pytest
 
-from harness import seeds
 from harness.common import launch_detect, pytest_internals
 from harness.common.endings import SHORT_LOCALS
 from harness.common.errors import SpecError, invalid
@@ -27,6 +26,7 @@ from harness.common.protocol import (
     LogCapture,
     StartMethod,
 )
+from harness.plan import seeds
 
 DEFAULT_RANKS = 2
 DEFAULT_TIMEOUT_S = 60.0
@@ -106,7 +106,7 @@ class Settings:
     # Under torchrun: the secret the user gave (HARNESS_SECRET or --rank-secret-file) that
     # signs the harness's values in torchrun's store; None runs unsigned (and says so).
     secret: bytes | None = field(default=None, repr=False)
-    # The seed the ranks' generators are seeded from, test by test (see seeds.py).
+    # The seed the ranks' generators are seeded from, test by test (see plan/seeds.py).
     seed: seeds.SessionSeed = field(default_factory=lambda: seeds.SessionSeed(0, "drawn"))
 
     def threads_for(self, world_size: int) -> int | None:

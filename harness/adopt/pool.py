@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 
-from harness import packing, runner, seeds
+from harness import seam
+from harness.adopt import ranks
+from harness.adopt.spawn import RUN_HYGIENE, after_import, encoded_args, nprocs_value, target_of
 from harness.common import rank_warnings
 from harness.common.outcome import RankOutcome, failure_text
 from harness.common.protocol import RankSpec
-from harness.rank import adopted
-from harness.settings import settings_of, timeout_for
-from harness.spawning import RUN_HYGIENE, after_import, encoded_args, nprocs_value, target_of
-from harness.warm import session as warm
+from harness.plan import packing, seeds
+from harness.plan.settings import settings_of, timeout_for
+from harness.pytest_side import runner
 
 
 class RankPoolError(AssertionError):
@@ -73,12 +74,12 @@ class RankPool:
             (target_of(fn, "rank_pool.run"), args, kwargs),
             {"rank": None, "world_size": None},
         )
-        target = packing.function_target(adopted.run_pooled)
+        target = packing.function_target(ranks.run_pooled)
         outcomes = after_import(
             self._config,
             self._spec,
             fn,
-            lambda: warm.on_warm_ranks(self._config, self._spec, target, blob),
+            lambda: seam.own_ranks_of(self._config).run_target(self._spec, target, blob),
         )
         rank_warnings.reemit(outcomes)
         report = failure_text(outcomes) or runner.leftovers_text(outcomes)

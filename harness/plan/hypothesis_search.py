@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from harness import made_in_ranks, seeds
 from harness.common.outcome import RankOutcome
-from harness.settings import settings_of
+from harness.plan import made_in_ranks, seeds
+from harness.plan.settings import settings_of
 
 # Fixtures whose value holds for every example of a test: constants of the world.
 SAME_FOR_EVERY_EXAMPLE = frozenset({"rank", "world_size", "device"})

@@ -3,7 +3,7 @@
 ``harness.spawn(fn, args, nprocs)`` runs ``fn(i, *args)`` on warm ranks with no group set up
 (``fn`` sets its own, as under spawn), bounded by the harness's timeout, and raises torch's own
 exception types (subclasses carrying the harness's report), root cause first. The other
-common launcher, a hand-written pool of processes, has its drop-in in kept_pool.py.
+common launcher, a hand-written pool of processes, has its drop-in in pool.py.
 
 Runs from the pytest process of the current session (any test, marked or not). This module
 is also a pytest plugin: it follows the session and the running test, and waits at a test's
@@ -22,15 +22,14 @@ from typing import Any
 
 import pytest
 
-from harness import packing, seeds
+from harness import seam
+from harness.adopt import ranks
 from harness.common import rank_warnings
 from harness.common.errors import SpecError, invalid
 from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
 from harness.common.protocol import RankSpec, Target, encode_args
-from harness.rank import adopted
-from harness.settings import settings_of, timeout_for
-from harness.warm import session as warm
-from harness.warm.run_loop import Cut, failure_grace_s
+from harness.plan import packing, seeds
+from harness.plan.settings import settings_of, timeout_for
 
 # What a spawned or pooled rank is checked for afterwards: threads and processes that would
 # meet the next run. A group or environment left behind is reset by the worker, as process
@@ -275,15 +274,17 @@ def spawn(
     blob = encoded_args(
         "harness.spawn", (target_of(fn, "harness.spawn"), tuple(args)), {"rank": None}
     )
-    target = packing.function_target(adopted.run_spawned)
+    target = packing.function_target(ranks.run_spawned)
+    own = seam.own_ranks_of(config)
     context = SpawnContext(
         lambda started, cut: after_import(
             config,
             spec,
             fn,
-            lambda: warm.on_warm_ranks(config, spec, target, blob, started, cut),
+            lambda: own.run_target(spec, target, blob, started, cut),
         ),
         spec.timeout_s,
+        own.failure_grace_s(),
     )
     if not join:
         body = next((i for i in reversed(_calling) if i.config is config), None)
@@ -305,7 +306,7 @@ def after_import(
     """`run`, once `fn`'s module is imported on the ranks in a phase of its own, bounded by
     --rank-import-timeout (a big library's import is no part of the run's own bound); the
     import's outcomes instead when it failed or ran past that bound."""
-    failed = warm.import_ahead(config, None, spec, _module_target(fn))
+    failed = seam.own_ranks_of(config).import_ahead(None, spec, _module_target(fn))
     return failed or run()
 
 
@@ -325,20 +326,21 @@ def nprocs_value(value: Any, origin: str = "harness.spawn(nprocs=...)") -> int:
 
 # A run of the ranks: told whom to tell the rank processes as it starts, and the handle that
 # may end it early.
-Runner = Callable[[Callable[[list[int]], None], Cut], list[RankOutcome]]
+Runner = Callable[[Callable[[list[int]], None], seam.Cut], list[RankOutcome]]
 
 
 class SpawnContext:
     """A started :func:`spawn` run, joined like torch's ``ProcessContext``."""
 
-    def __init__(self, run: Runner, start_bound_s: float) -> None:
+    def __init__(self, run: Runner, start_bound_s: float, failure_grace_s: float) -> None:
         self.outcomes: list[RankOutcome] = []
         self._error: BaseException | None = None
         self._joined = False  # a join() saw the run's end (and raised its failure, if any)
-        self._cut = Cut()  # the harness ends it after the grace once its test failed
+        self._cut = seam.Cut()  # the harness ends it after the grace once its test failed
         self._pids: list[int] = []
         self._started = threading.Event()  # the ranks are chosen (or the run ended before)
         self._start_bound_s = start_bound_s
+        self._failure_grace_s = failure_grace_s
         self._thread = threading.Thread(target=self._run, args=(run,), name="harness-spawn")
         self._thread.start()
 
@@ -394,7 +396,7 @@ class SpawnContext:
         a failure get): nobody will join it (or talk to a server it is) now."""
         if self._cut.at is not None or self._joined or not self._thread.is_alive():
             return
-        self._cut.after(failure_grace_s() if after_s is None else after_s, why)
+        self._cut.after(self._failure_grace_s if after_s is None else after_s, why)
 
     def unjoined_failure(self) -> Exception | None:
         """For a context never joined: wait for its run (bounded by the run's timeout, or by
@@ -438,8 +440,8 @@ def raise_for(outcomes: list[RankOutcome]) -> None:
 def _raise_for_leftovers(outcomes: list[RankOutcome]) -> None:
     """A process that left a thread running would never have ended under torch's spawn (its
     join waits): the leftovers fail the call, naming the rank."""
-    from harness.runner import leftovers_text
-    from harness.spawn_errors import RankRaised
+    from harness.adopt.spawn_errors import RankRaised
+    from harness.pytest_side.runner import leftovers_text
 
     text = leftovers_text(outcomes)
     if text is not None:
@@ -450,7 +452,7 @@ def _raise_for_leftovers(outcomes: list[RankOutcome]) -> None:
 
 
 def _exception_for(culprit: RankOutcome, report: str, outcomes: list[RankOutcome]) -> Exception:
-    from harness.spawn_errors import RankExited, RankRaised
+    from harness.adopt.spawn_errors import RankExited, RankRaised
 
     index, pid = culprit.rank, culprit.pid
     error: RankRaised | RankExited

@@ -1,7 +1,7 @@
 """Existing suites on warm ranks: ``--rank-adopt torch,deepspeed`` (ini ``rank_adopt``), or a
 project's own base. The seam: an Adopter is one multi-rank test base; torch's
-``MultiProcessTestCase`` family (adopt_torch.py) and DeepSpeed's ``DistributedTest``
-(adopt_deepspeed.py) are two instances, and a project adds its own from the
+``MultiProcessTestCase`` family (torch/adopter.py) and DeepSpeed's ``DistributedTest``
+(deepspeed/adopter.py) are two instances, and a project adds its own from the
 ``pytest_harness_adopters`` hook (docs/existing-suites.md, "Adopt your project's base").
 Here: the Adopter base, the registry (``--rank-adopt``'s values come from it), the hooks that
 hand each test to the adopters the session asked for, and the steps they share.
@@ -22,20 +22,23 @@ from typing import Any, TypeVar
 
 import pytest
 
-from harness import adopters, packing, runner, seeds, timeout_interop
+from harness import seam
+from harness.adopt import ranks
 from harness.common import rank_warnings
 from harness.common.errors import invalid
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
-from harness.rank import adopted
-from harness.settings import session_timeout, settings_of
-from harness.warm import session as warm
+from harness.plan import adopter_needs, packing, seeds, timeout_interop
+from harness.plan.settings import session_timeout, settings_of
+from harness.pytest_side import runner
 
 # What an adopted rank is checked for after the test: the base ends its processes, so a group
 # or environment left behind is normal (the worker resets both), but a thread or process that
 # keeps running would meet the next test.
 ADOPTED_HYGIENE = frozenset({"threads", "processes"})
 _T = TypeVar("_T")
+# An adopter's own verdict from every rank's outcome (the harness's by default).
+Judge = Callable[[pytest.Item, RankSpec, list[RankOutcome]], None]
 
 
 class Adopter:
@@ -88,15 +91,34 @@ class Adopter:
         cls: type,
         *args: Any,
         timeout: float | None = None,
+        judged_by: Judge | None = None,
     ) -> None:
         """Run `item` on `world_size` warm ranks: `entry(cls, *args, rank=r)` on each, then
-        judged as a ranks test is (every rank's end counts, the root cause first). `entry` is
-        a module-level function (the base's per-rank entry point); `cls`, the test class,
-        reaches each rank from its module as pytest imported it; `args` travel pickled."""
+        judged as a ranks test is (every rank's end counts, the root cause first), or by
+        `judged_by` where the base gives some ends a meaning of its own (torch's skip
+        statuses). `entry` is a module-level function (the base's per-rank entry point);
+        `cls`, the test class, reaches each rank from its module as pytest imported it;
+        `args` travel pickled. The ranks' run goes through `attempts`."""
         _running(self, item)
         spec = adopted_spec(item, world_size, timeout)
         targets = (packing.function_target(cls), packing.function_target(entry))
-        run_and_judge(item, spec, adopted.run_with_class, (*targets, *args))
+
+        def run_once(given: tuple[Any, ...]) -> list[RankOutcome]:
+            return run_adopted(item, spec, ranks.run_with_class, (*targets, *given))
+
+        _judged_attempts(self, item, spec, run_once, args, judged_by)
+
+    def attempts(
+        self,
+        item: pytest.Item,
+        run_once: Callable[[tuple[Any, ...]], list[RankOutcome]],
+        args: tuple[Any, ...],
+    ) -> list[RankOutcome]:
+        """The ranks' run of `item` (`run_once(args)` runs `entry(cls, *args)` on every rank
+        and gives each rank's outcome): once, by default. A base whose run can be set right
+        and tried again overrides this (DeepSpeed's builds an op the ranks lacked and runs
+        again, each run on a store of its own): the last outcomes are the test's."""
+        return run_once(args)
 
     def run_function(
         self,
@@ -113,7 +135,11 @@ class Adopter:
         _running(self, item)
         spec = adopted_spec(item, world_size, timeout)
         target = packing.function_target(fn)
-        run_and_judge(item, spec, adopted.run_spawned, (target, args))
+
+        def run_once(given: tuple[Any, ...]) -> list[RankOutcome]:
+            return run_adopted(item, spec, ranks.run_spawned, (target, given))
+
+        _judged_attempts(self, item, spec, run_once, args, None)
 
     def note(self, item: pytest.Item, why: str) -> None:
         """`item`'s class runs as it is, and the session's summary says why, once."""
@@ -134,7 +160,7 @@ _project_key = pytest.StashKey[set[str]]()  # the adopters a project registered 
 def register_adopters(config: pytest.Config, built_in: list[Adopter]) -> None:
     """The session's adopters as pytest configures: the harness's own (`built_in`), then
     the projects' from plugins and initial conftests (the ``pytest_harness_adopters``
-    hook). What the asked ones give the warm layer is handed over (adopters.py). A bad one:
+    hook). What the asked ones give the warm layer is handed over (adopter_needs.py). A bad one:
     a usage error. ``--rank-adopt``'s names are checked once the tests are collected: a
     conftest below the rootdir registers its adopter as pytest collects its directory."""
     config.stash[_registry_key] = {a.name: a for a in built_in}
@@ -143,7 +169,7 @@ def register_adopters(config: pytest.Config, built_in: list[Adopter]) -> None:
     config.stash[_asked_key] = settings_of(config).adopt
     chosen = asked(config)
     libraries = frozenset(name for a in chosen for name in a.libraries)
-    adopters.give(config, libraries, [fn for a in chosen for fn in a.endings(config)])
+    adopter_needs.give(config, libraries, [fn for a in chosen for fn in a.endings(config)])
 
 
 def _register_projects(config: pytest.Config) -> None:
@@ -366,21 +392,18 @@ def adopted_spec(item: pytest.Item, world_size: int, timeout: float | None = Non
     )
 
 
-Judge = Callable[[pytest.Item, RankSpec, list[RankOutcome]], None]
-
-
-def run_and_judge(
+def _judged_attempts(
+    adopter: Adopter,
     item: pytest.Item,
     spec: RankSpec,
-    entry: Callable[..., Any],
+    run_once: Callable[[tuple[Any, ...]], list[RankOutcome]],
     args: tuple[Any, ...],
-    judged_by: Judge | None = None,
+    judged_by: Judge | None,
 ) -> None:
-    """`entry(*args, rank=r)` on every warm rank of `spec` (`args[0]`, the class's Target:
-    its module is imported on the ranks first), then the one sequence after a body, judged
-    by `judged_by` (the harness's verdict by default)."""
+    """The adopter's attempts at `item` under the harness's bound (pytest-timeout's paused),
+    then the one sequence after a body, judged by `judged_by` (the harness's by default)."""
     with timeout_interop.pytest_timeout_paused(item):
-        outcomes = run_adopted(item, spec, entry, args)
+        outcomes = adopter.attempts(item, run_once, args)
     runner.after_body(item, spec, outcomes, judged_by=judged_by)
 
 
@@ -392,10 +415,11 @@ def run_adopted(
     timer bounds the ranks; the caller pauses pytest-timeout's (see timeout_interop: it
     bounds the class's own set-up and tear-down here around them)."""
     case: Target = args[0]
-    outcomes = warm.import_ahead(item.config, item, spec, case)
+    own = seam.own_ranks_of(item.config)
+    outcomes = own.import_ahead(item, spec, case)
     if all(o.ok for o in outcomes):
         target = packing.function_target(entry)
-        outcomes = warm.on_warm_ranks(item.config, spec, target, encode_args(args, {"rank": None}))
+        outcomes = own.run_target(spec, target, encode_args(args, {"rank": None}))
     return outcomes
 
 

@@ -1,5 +1,5 @@
 """torch's suites on warm ranks: ``--rank-adopt torch`` (ini ``rank_adopt = torch``), one
-instance of the adopter seam (adopters.py).
+instance of the adopter seam (adopt/core.py).
 
 Tests whose class derives from torch's ``MultiProcessTestCase`` or ``MultiProcContinuousTest``
 (``torch.testing._internal.common_distributed``) keep their source. Their parent-side
@@ -31,12 +31,13 @@ from typing import Any, Literal
 
 import pytest
 
-from harness import adopt, packing, verdict
+from harness.adopt import core
+from harness.adopt.torch import ranks
 from harness.common.errors import SpecError
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
-from harness.rank import adopted
-from harness.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
+from harness.plan.settings import DEFAULT_TIMEOUT_S, session_timeout, settings_of
+from harness.pytest_side import verdict
 
 TORCH_BASES = "torch.testing._internal.common_distributed"
 # The base's own parts the adapter replaces or relies on: a class that overrides one of the
@@ -74,10 +75,10 @@ _classes_key = pytest.StashKey[_Classes]()
 
 
 def _classes(config: pytest.Config) -> _Classes:
-    return adopt.session_state(config, _classes_key, _Classes)
+    return core.session_state(config, _classes_key, _Classes)
 
 
-class TorchAdopter(adopt.Adopter):
+class TorchAdopter(core.Adopter):
     """torch's MultiProcessTestCase and MultiProcContinuousTest."""
 
     name = "torch"
@@ -93,7 +94,7 @@ class TorchAdopter(adopt.Adopter):
             if _kind(item) is None:
                 continue
             with contextlib.suppress(SpecError):  # a bad timeout marker: the test's error, later
-                adopt.set_timeout(item, session_timeout(settings, item, _torchs_timeout(item)))
+                core.set_timeout(item, session_timeout(settings, item, _torchs_timeout(item)))
 
     def setting_up(self, item: pytest.Item) -> None:
         """Before the class's setUpClass: a continuous class spawns nothing from now on. A
@@ -103,7 +104,7 @@ class TorchAdopter(adopt.Adopter):
         classes = _classes(item.config)
         why = classes.unadoptable.get(cls) if cls is not None else None
         if why is not None:
-            adopt.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
+            core.note_not_adopted(item.config, f"{cls.__module__}.{cls.__qualname__}", why)
         if kind == "continuous" and "_spawn_processes" not in vars(cls):
             classes.undo.append(_patch_continuous_spawn(cls))
 
@@ -112,9 +113,9 @@ class TorchAdopter(adopt.Adopter):
         kind = _kind(item)
         case = getattr(item, "_testcase", None)  # the TestCase instance pytest made for the test
         if kind == "process" and case is not None:
-            _adopt_process_case(item, case)
+            _adopt_process_case(self, item, case)
         elif kind == "continuous" and case is not None:
-            _adopt_continuous_case(item, case)
+            _adopt_continuous_case(self, item, case)
 
     def ended(self, config: pytest.Config) -> None:
         classes = config.stash.get(_classes_key, None)
@@ -141,7 +142,7 @@ def _kind(item: pytest.Item) -> Kind | None:
     classes = _classes(item.config)
     if cls not in classes.kinds:
         kind, why = classify(cls)
-        other = adopt.claimed_elsewhere(item.config, cls, TorchAdopter.name)
+        other = core.claimed_elsewhere(item.config, cls, TorchAdopter.name)
         if other is not None:
             kind, why = None, other
         classes.kinds[cls] = kind if why is None else None
@@ -179,7 +180,7 @@ def _unfollowable(
 ) -> str | None:
     missing = [name for name in needed if not hasattr(base, name)]
     expected = PROCESS_ENTRY if entry == "_run" else CONTINUOUS_ENTRY
-    signature = adopt.parameters_of(getattr(base, entry, None))
+    signature = core.parameters_of(getattr(base, entry, None))
     if missing or signature[: len(expected)] != list(expected):
         return (
             f"the installed torch's {base.__name__} is not the one the harness supports "
@@ -197,16 +198,18 @@ class _Spawn:
     requested: str | None = None  # the base's spawning method setUp asked for
 
 
-def _adopt_process_case(item: pytest.Item, case: Any) -> None:
+def _adopt_process_case(adopter: core.Adopter, item: pytest.Item, case: Any) -> None:
     """setUp's request to spawn is only noted; the join runs the test on warm ranks."""
     spawn = _Spawn()
     for name in ("_spawn_processes", "_fork_processes"):
         if hasattr(case, name):
             setattr(case, name, functools.partial(setattr, spawn, "requested", name))
-    case._join_processes = functools.partial(_join_process_case, item, case, spawn)
+    case._join_processes = functools.partial(_join_process_case, adopter, item, case, spawn)
 
 
-def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> None:
+def _join_process_case(
+    adopter: core.Adopter, item: pytest.Item, case: Any, spawn: _Spawn, fn: Any
+) -> None:
     cls = type(case)
     if spawn.requested is None:  # setUp spawned nothing: the base's own join decides
         cls._join_processes(case, fn)
@@ -214,7 +217,7 @@ def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> 
     if fn in getattr(case, "skip_return_code_checks", ()) or fn in getattr(
         case, "special_return_code_checks", {}
     ):
-        adopt.note_not_adopted(
+        core.note_not_adopted(
             item.config,
             item.nodeid,
             "expects exit statuses of its own (special/skip_return_code_checks)",
@@ -223,14 +226,16 @@ def _join_process_case(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> 
         cls._join_processes(case, fn)
         return
     name = case._current_test_name
-    args = (
-        packing.function_target(cls),
+    adopter.run(
+        item,
+        int(case.world_size),
+        ranks.run_multiprocess_case,
+        cls,
         name() if callable(name) else name,
         case.file_name,
         _entry_kwargs(cls, case),
+        judged_by=judge,
     )
-    spec = adopt.adopted_spec(item, int(case.world_size))
-    adopt.run_and_judge(item, spec, adopted.run_multiprocess_case, args, judged_by=judge)
 
 
 def _entry_kwargs(cls: type, case: Any) -> dict[str, Any]:
@@ -258,7 +263,7 @@ def _patch_continuous_spawn(cls: Any) -> Callable[[], None]:
     return lambda: delattr(cls, "_spawn_processes")
 
 
-def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
+def _adopt_continuous_case(adopter: core.Adopter, item: pytest.Item, case: Any) -> None:
     original = item.obj  # type: ignore[attr-defined]
 
     @functools.wraps(original)
@@ -268,18 +273,17 @@ def _adopt_continuous_case(item: pytest.Item, case: Any) -> None:
             # process): run the test here, as torch does.
             original() if inspect.ismethod(original) else original(self)
             return
-        _run_continuous_case(item, self)
+        _run_continuous_case(adopter, item, self)
 
     item.obj = types.MethodType(adopted, case)  # type: ignore[attr-defined]
 
 
-def _run_continuous_case(item: pytest.Item, case: Any) -> None:
+def _run_continuous_case(adopter: core.Adopter, item: pytest.Item, case: Any) -> None:
     cls = type(case)
     world_size = cls._harness_world_size
     with _rendezvous_file() as rdvz:
-        args = (packing.function_target(cls), case.id(), rdvz, world_size)
-        spec = adopt.adopted_spec(item, world_size)
-        adopt.run_and_judge(item, spec, adopted.run_continuous_case, args, judged_by=judge)
+        run = ranks.run_continuous_case
+        adopter.run(item, world_size, run, cls, case.id(), rdvz, world_size, judged_by=judge)
 
 
 @contextlib.contextmanager
@@ -306,5 +310,5 @@ def as_skip(outcome: RankOutcome) -> RankOutcome:
     """A rank process that ended with one of torch's skip statuses skipped, with its reason."""
     if outcome.ending is not Ending.HARD_EXIT or outcome.exit_code is None:
         return outcome
-    reason = adopted.skip_messages().get(outcome.exit_code)
+    reason = ranks.skip_messages().get(outcome.exit_code)
     return outcome if reason is None else replace(outcome, ending=Ending.SKIPPED, message=reason)

@@ -26,8 +26,8 @@ from harness.common.outcome import (
     set_up_failure_text,
 )
 from harness.common.protocol import RankSpec
+from harness.plan.settings import settings_of
 from harness.seam import ranks_of
-from harness.settings import settings_of
 
 # Set when a rank's fault never fired: the test is written wrong, which no xfail expects.
 _no_xfail_key = pytest.StashKey[bool]()

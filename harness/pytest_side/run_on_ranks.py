@@ -12,16 +12,15 @@ from typing import Any
 
 import pytest
 
-from harness import packing
 from harness.common import expect as expectations
 from harness.common import rank_warnings
 from harness.common.faults import Fault
 from harness.common.outcome import Ending, RankOutcome, failure_text
-from harness.seam import ranks_of
-from harness.settings import settings_of
-from harness.specs import spec_for_call
-from harness.verdict import note_missed_faults
-from harness.warm.session import WarmRanks
+from harness.plan import packing
+from harness.plan.settings import settings_of
+from harness.plan.specs import spec_for_call
+from harness.pytest_side.verdict import note_missed_faults
+from harness.seam import own_ranks_of, ranks_of
 
 
 @dataclass
@@ -89,7 +88,7 @@ class RankRunner:
         )
         # Outside a test (a session fixture's call) the launch has no test to agree on: such
         # a call runs on warm ranks, as in a plain session.
-        ranks = ranks_of(self._config) if self._node is not None else WarmRanks(self._config)
+        ranks = ranks_of(self._config) if self._node is not None else own_ranks_of(self._config)
         outcomes = ranks.run_call(self._node, spec, fn, args, kwargs)
         rank_warnings.reemit(outcomes)
         note_missed_faults(self._node, outcomes)

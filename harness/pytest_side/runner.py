@@ -3,7 +3,7 @@
 The ranks are the session's (``seam.ranks_of``: warm rank processes, or the launch's under a
 launcher); what follows a body (warnings, leftovers, output, then the verdict, verdict.py) is
 written once, here, for ranks tests and adopted ones alike. run_on_ranks calls are
-run_on_ranks.py's; pytest-timeout's part, timeout_interop.py's. Loaded with the plugin;
+run_on_ranks.py's; pytest-timeout's part, plan/timeout_interop.py's. Loaded with the plugin;
 imports no torch.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness import hypothesis_search
+from harness import seam
 from harness.common import faults as fault_specs
 from harness.common import rank_warnings
 from harness.common.hygiene import CHECKS
@@ -27,9 +27,9 @@ from harness.common.outcome import (
     without_cpp_frames,
 )
 from harness.common.protocol import RankSpec
+from harness.plan import hypothesis_search
+from harness.pytest_side.verdict import judge
 from harness.seam import ranks_of
-from harness.verdict import judge
-from harness.warm.session import take_import_output, take_preload_output
 
 _leftovers_key = pytest.StashKey[str]()
 
@@ -229,10 +229,9 @@ def attach_import_output(item: pytest.Item) -> None:
     """What the imports ahead of the test printed and warned (a library's load warnings),
     each on the first test it came before, the output in sections of its own: the fork
     server's preload of the tests' imports, then the ranks' import of the test's module."""
-    text = take_preload_output(item.config)
+    text, found = seam.own_ranks_of(item.config).take_start_output(item)
     if text:
         item.add_report_section("call", "output [fork server] preloading the tests' imports", text)
-    found = take_import_output(item)
     if found is not None:
         module, outcomes = found
         rank_warnings.reemit(outcomes)

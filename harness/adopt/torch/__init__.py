@@ -1,0 +1,2 @@
+"""torch's ``MultiProcessTestCase`` family adopted: ``adopter.py`` in the pytest process,
+``ranks.py`` in each rank."""
