@@ -17,8 +17,9 @@ from harness import seam
 from harness.adopt import ranks
 from harness.adopt.spawn import RUN_HYGIENE, after_import, encoded_args, nprocs_value, target_of
 from harness.common import rank_warnings
-from harness.common.outcome import RankOutcome, failure_text
+from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
+from harness.common.report_text import failure_text
 from harness.plan import packing, seeds
 from harness.plan.settings import settings_of, timeout_for
 from harness.pytest_side import runner

@@ -26,8 +26,10 @@ from harness import seam
 from harness.adopt import ranks
 from harness.common import rank_warnings
 from harness.common.errors import SpecError, invalid
-from harness.common.outcome import Ending, RankOutcome, failure_text, root_cause, signal_name
+from harness.common.outcome import Ending, RankOutcome, signal_name
 from harness.common.protocol import RankSpec, Target, encode_args
+from harness.common.report_text import failure_text
+from harness.common.root_cause import root_cause
 from harness.plan import packing, seeds
 from harness.plan.settings import settings_of, timeout_for
 

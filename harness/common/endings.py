@@ -34,34 +34,44 @@ def skip_frames_of(file: str) -> None:
     _OWN_FILES.add(file)
 
 
-def ended(key: str, rank: int, ending: Ending, **fields: Any) -> RankOutcome:
-    return RankOutcome(key, rank, os.getpid(), ending, at=time.monotonic(), **fields)
-
-
 def ended_by(
     key: str, rank: int, exc: BaseException, show_locals: LocalsShown = None
 ) -> RankOutcome:
-    """The outcome of a body that raised `exc` (an error, sys.exit, pytest.skip or xfail)."""
+    """The outcome of a body that raised `exc` (an error, sys.exit, pytest.skip or xfail),
+    built once from everything `exc` says."""
+    origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
+    origin = origin if isinstance(origin, int) and not isinstance(origin, bool) else None
     if isinstance(exc, SystemExit):
         said = ""
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)  # as Python does for sys.exit("message")
             said = text_of(exc.code)
-        outcome = ended(key, rank, Ending.EXITED, exit_code=exit_code(exc), message=said)
-        outcome = outcome.but(traceback=user_traceback(exc, show_locals))  # where it was called
-    elif (ending := _pytest_outcome(exc)) is not None:
+        return RankOutcome(
+            key,
+            rank,
+            os.getpid(),
+            Ending.EXITED,
+            at=time.monotonic(),
+            exit_code=exit_code(exc),
+            message=said,
+            traceback=user_traceback(exc, show_locals),  # where it was called
+            origin_rank=origin,
+        )
+    if (ending := _pytest_outcome(exc)) is not None:
         message = text_of(getattr(exc, "msg", exc))
         at = _raised_at(exc) if ending is Ending.SKIPPED else None
-        return ended(key, rank, ending, message=message, skipped_at=at)
-    else:
-        outcome = raised(key, rank, exc, show_locals=show_locals)
-        returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
-        if type(exc).__name__ == "Exit" and isinstance(returncode, int):
-            outcome = outcome.but(exit_code=returncode)
-    origin = getattr(exc, "origin_rank", None)  # rankwise's collectives say whose failure
-    if isinstance(origin, int) and not isinstance(origin, bool):
-        outcome = outcome.but(origin_rank=origin)
-    return outcome
+        now = time.monotonic()
+        return RankOutcome(key, rank, os.getpid(), ending, at=now, message=message, skipped_at=at)
+    returncode = getattr(exc, "returncode", None)  # pytest.exit's, to stop the session with
+    stops = type(exc).__name__ == "Exit" and isinstance(returncode, int)
+    return raised(
+        key,
+        rank,
+        exc,
+        show_locals=show_locals,
+        exit_code=returncode if stops else None,
+        origin_rank=origin,
+    )
 
 
 def _pytest_outcome(exc: BaseException) -> Ending | None:
@@ -105,17 +115,31 @@ def text_of(value: object) -> str:
 
 
 def raised(
-    key: str, rank: int, exc: BaseException, note: str = "", show_locals: LocalsShown = None
+    key: str,
+    rank: int,
+    exc: BaseException,
+    note: str = "",
+    show_locals: LocalsShown = None,
+    exit_code: int | None = None,
+    origin_rank: int | None = None,
+    own_class_only: bool = False,
 ) -> RankOutcome:
-    return ended(
+    """A rank whose body (or the harness's set-up, with a `note` saying so) raised `exc`;
+    `own_class_only`: its class without its bases (no expected exception may match them)."""
+    mro = type(exc).__mro__[:1] if own_class_only else type(exc).__mro__
+    return RankOutcome(
         key,
         rank,
+        os.getpid(),
         Ending.RAISED,
+        at=time.monotonic(),
         exc_type=qualified_name(type(exc)),
-        exc_mro=tuple(cls.__name__ for cls in type(exc).__mro__),
-        exc_classes=tuple(qualified_name(cls) for cls in type(exc).__mro__),
+        exc_mro=tuple(cls.__name__ for cls in mro),
+        exc_classes=tuple(qualified_name(cls) for cls in mro),
         message=text_of(exc),
         traceback=user_traceback(exc, show_locals),
+        exit_code=exit_code,
+        origin_rank=origin_rank,
         notes=(note,) if note else (),
     )
 
@@ -124,25 +148,34 @@ def not_reached(key: str, rank: int, missed: BaseException) -> RankOutcome:
     """A rank that returned with a fault never fired: the test's own mistake, which no
     expected exception (not even raises(BaseException)) or xfail(raises=E) may take for
     the fault. Never raised: no traceback, the message says it all."""
-    outcome = raised(key, rank, missed)
-    return outcome.but(exc_mro=outcome.exc_mro[:1], exc_classes=outcome.exc_classes[:1])
+    return raised(key, rank, missed, own_class_only=True)
 
 
 def returned(key: str, rank: int, value: Any, keep_value: bool = True) -> RankOutcome:
     """A rank that returned `value`: its repr, and (`keep_value`) the value itself pickled,
     for the pytest side to load."""
-    outcome = ended(key, rank, Ending.RETURNED)  # its time: before the value is pickled
+    at = time.monotonic()  # its time: before the value is pickled
     if value is None:
-        return outcome
+        return RankOutcome(key, rank, os.getpid(), Ending.RETURNED, at=at)
     shown = safe_repr(value)
-    if not keep_value:
-        return outcome.but(value_repr=shown)
-    try:
-        return outcome.but(value_repr=shown, value_blob=pickle.dumps(value))
-    except Exception as exc:
-        lost = f"{type(exc).__name__}: {text_of(exc)}"
-        note = f"the return value could not be sent back: {lost}"
-        return outcome.but(value_repr=shown, value_lost=lost, notes=(note,))
+    blob, lost = None, ""
+    if keep_value:
+        try:
+            blob = pickle.dumps(value)
+        except Exception as exc:
+            lost = f"{type(exc).__name__}: {text_of(exc)}"
+    notes = (f"the return value could not be sent back: {lost}",) if lost else ()
+    return RankOutcome(
+        key,
+        rank,
+        os.getpid(),
+        Ending.RETURNED,
+        at=at,
+        value_repr=shown,
+        value_blob=blob,
+        value_lost=lost,
+        notes=notes,
+    )
 
 
 def user_traceback(exc: BaseException, show_locals: LocalsShown = None) -> str:

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from harness.common import endings, pytest_internals
-from harness.common.outcome import RankOutcome, RankWarning, ranks_phrase
+from harness.common.outcome import RankOutcome, RankWarning
 from harness.common.protocol import WarningFilters
+from harness.common.report_text import ranks_phrase
 
 
 def filters_for(config: pytest.Config, node: pytest.Item | None) -> WarningFilters:

@@ -12,8 +12,8 @@ from functools import cache
 from pathlib import Path
 
 from harness.common import reaper
-from harness.common.outcome import fold_runs
 from harness.common.protocol import DUMP_STACKS_SIGNAL
+from harness.common.report_text import fold_runs
 
 STACK_DUMP_WAIT_S = 3.0
 _POLL_S = 0.05

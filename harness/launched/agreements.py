@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness.common.outcome import ranks_phrase
+from harness.common.report_text import ranks_phrase
 from harness.launched import records
 from harness.launched.gathered import Gathered
 from harness.launched.nodes import Nodes

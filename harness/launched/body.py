@@ -18,8 +18,9 @@ import torch.distributed as dist
 from harness.common import endings, environment, reaper
 from harness.common.errors import HarnessError
 from harness.common.faults import Fault, Injector
-from harness.common.outcome import Ending, RankOutcome, failure_text, ranks_phrase
+from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
+from harness.common.report_text import failure_text, ranks_phrase
 from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
 from harness.launched.watch import HangTimer, Where
 from harness.plan import timeout_interop
@@ -243,7 +244,7 @@ class LaunchedBody:
 
     def after_body(self, outcome: RankOutcome) -> tuple[RankOutcome, bool]:
         out, err = _captured(self._item.config)  # for rank 0's report
-        outcome = outcome.but(stdout=out, stderr=err)
+        outcome = outcome.with_output(out, err)
         left = (
             self._spec.launch
             and dist.is_initialized()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.common.outcome import ranks_phrase
+from harness.common.report_text import ranks_phrase
 
 
 @dataclass(frozen=True)

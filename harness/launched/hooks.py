@@ -22,8 +22,9 @@ import pytest
 from harness import seam
 from harness.common import faults, torch_import_warnings
 from harness.common.launch_detect import Launch
-from harness.common.outcome import RankOutcome, without_cpp_frames
+from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
+from harness.common.report_text import without_cpp_frames
 from harness.launched import agreements, body, coverage, error_files, terminal, verdicts
 from harness.launched.rendezvous import give_each_set_up_its_keys
 from harness.launched.session import LaunchedSession, start

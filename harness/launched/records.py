@@ -34,6 +34,7 @@ def encode_outcome(outcome: RankOutcome) -> str:
     del fields["value_blob"]
     fields["ending"] = outcome.ending.value
     fields["warnings"] = [dataclasses.asdict(w) for w in outcome.warnings]
+    fields["leftovers"] = dict(outcome.leftovers)
     record: dict[str, Any] = {"schema": _SCHEMA, "fields": fields}
     if outcome.value_blob is not None:
         value, lost = _value_record(pickle.loads(outcome.value_blob))  # this rank's own

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from rankwise.testing import write_launcher_error
 
 from harness.common.launch_detect import Launch
-from harness.common.outcome import Ending, RankOutcome, failure_text
+from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.common.report_text import failure_text
 from harness.launched import records, terminal
 from harness.launched.blame import blamed_rank, headline
 from harness.launched.crashes import Crashes
@@ -403,12 +404,10 @@ class LaunchedSession:
                 key, rank, pid, Ending.LOST, message=node_lost, at=went, origin_rank=origin
             )
         self.fate.lose({rank: why})
-        note = (f"rank {rank} gave no outcome: {why}",)
-        if died.get("signal") is not None:
-            ending, fields = Ending.SIGNALLED, {"signal": died["signal"]}
-        else:
-            ending, fields = Ending.HARD_EXIT, {"exit_code": died.get("code")}
-        return RankOutcome(key, rank, pid, ending, at=time.monotonic(), notes=note, **fields)
+        note = f"rank {rank} gave no outcome: {why}"
+        signum = died.get("signal")
+        code = None if signum is not None else died.get("code")
+        return outcome_from_exitcode(key, rank, pid, code, time.monotonic(), signum).noted(note)
 
     def _node_lost(self, rank: int, found: Gathered) -> str:
         """What happened to `rank`'s node, where it is gone or out of reach as a whole ("":

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from harness.common import pytest_internals
-from harness.common.outcome import ranks_phrase
+from harness.common.report_text import ranks_phrase
 
 
 def quiet(config: pytest.Config) -> Any:

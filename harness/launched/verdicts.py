@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from harness.common.outcome import ranks_phrase, report_looks_collateral
+from harness.common.diagnosis import report_looks_collateral
+from harness.common.report_text import ranks_phrase
 from harness.launched import records
 from harness.launched.gathered import Gathered
 from harness.launched.session import LaunchedSession

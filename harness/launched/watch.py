@@ -21,7 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from harness.common.outcome import Ending, RankOutcome, failure_text
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.report_text import failure_text
 from harness.common.stacks import trim_in_process
 from harness.launched.fate import Fate
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed

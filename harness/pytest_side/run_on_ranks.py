@@ -15,7 +15,8 @@ import pytest
 from harness.common import expect as expectations
 from harness.common import rank_warnings
 from harness.common.faults import Fault
-from harness.common.outcome import Ending, RankOutcome, failure_text
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.report_text import failure_text
 from harness.plan import packing
 from harness.plan.settings import settings_of
 from harness.plan.specs import spec_for_call

@@ -20,13 +20,9 @@ from harness import seam
 from harness.common import faults as fault_specs
 from harness.common import rank_warnings
 from harness.common.hygiene import CHECKS
-from harness.common.outcome import (
-    Ending,
-    RankOutcome,
-    ranks_phrase,
-    without_cpp_frames,
-)
+from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
+from harness.common.report_text import ranks_phrase, without_cpp_frames
 from harness.plan import hypothesis_search
 from harness.pytest_side.verdict import judge
 from harness.seam import ranks_of

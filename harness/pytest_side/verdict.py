@@ -15,17 +15,10 @@ import pytest
 
 from harness.common import expect as expectations
 from harness.common.errors import HarnessError
-from harness.common.outcome import (
-    Ending,
-    RankOutcome,
-    ReportStyle,
-    diagnose,
-    failed_ranks,
-    failure_text,
-    ranks_phrase,
-    set_up_failure_text,
-)
+from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
+from harness.common.report_text import ReportStyle, failure_text, ranks_phrase, set_up_failure_text
+from harness.common.root_cause import diagnose, failed_ranks
 from harness.plan.settings import settings_of
 from harness.seam import ranks_of
 

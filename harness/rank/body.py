@@ -100,7 +100,7 @@ def run_body(
         faults = body.load()
         with body.around(), Injector(rank, faults).installed() as injector:
             outcome = _ending(key, rank, spec, body, injector)
-    outcome = outcome.but(warnings=rank_warnings.collected(log))
+    warnings = rank_warnings.collected(log)
     outcome, group_left = body.after_body(outcome)
     children = body.children_before()
     if spec.bare:
@@ -110,7 +110,7 @@ def run_body(
     raw = [f for serial, f in raw_threads.running().items() if serial not in raw_before]
     seen = replace(before, env=body.env_before(before.env))
     leftovers = hygiene.findings(seen, spec.hygiene, group_left, left, raw, threads_until)
-    return outcome.but(leftovers=leftovers), before
+    return outcome.with_findings(warnings, leftovers), before
 
 
 def _ending(key: str, rank: int, spec: RankSpec, body: Body, injector: Injector) -> RankOutcome:

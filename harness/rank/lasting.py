@@ -88,7 +88,7 @@ def note_modes_left(outcome: RankOutcome, before: int = MODES_AT_START) -> RankO
     finding = (
         f"left {what}; exit it (use it in a with block); the ranks are replaced for the next test"
     )
-    return outcome.with_leftover(hygiene.UNDONE, finding).but(replace_after=f"left {what}")
+    return outcome.with_leftover(hygiene.UNDONE, finding).replaced(f"left {what}")
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")

@@ -53,7 +53,7 @@ def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | N
         hygiene.put_back_native_env(before)
         daemons = hygiene.daemons_left(before) if "threads" in task.spec.hygiene else []
         if not outcome.replace_after:
-            outcome = outcome.but(replace_after=lasting.why_replaced(daemons, unwaited))
+            outcome = outcome.replaced(lasting.why_replaced(daemons, unwaited))
         kept_ok = not (outcome.leftovers or outcome.replace_after)
         if task.keep_group and outcome.ending is Ending.RETURNED and kept_ok:
             kept = kept_group.keep(task.key)
@@ -63,7 +63,7 @@ def run(task: RunTask) -> tuple[RankOutcome, RankState, environment.Snapshot | N
     except BaseException as exc:  # the harness's own set-up failed on this rank
         outcome = endings.raised(
             task.key, task.rank, exc, note="while setting the rank up for the test"
-        ).but(setup_failed=isinstance(exc, group.SetUpFailed))
+        ).set_up_tried(1, failed=isinstance(exc, group.SetUpFailed))
         return outcome, state, test_env
     finally:
         if kept is None:

@@ -130,14 +130,10 @@ class _Rank:
             measure.resume()  # the restore put back the rank's own trace functions
             outcome = lasting.note_modes_left(outcome)
         except Exception as exc:
-            outcome = outcome.but(
-                leftovers={
-                    **outcome.leftovers,
-                    hygiene.UNDONE: (
-                        f"changed its process in a way the harness could not undo "
-                        f"({type(exc).__name__}: {exc}); the ranks are replaced for the next test"
-                    ),
-                }
+            outcome = outcome.with_leftover(
+                hygiene.UNDONE,
+                f"changed its process in a way the harness could not undo "
+                f"({type(exc).__name__}: {exc}); the ranks are replaced for the next test",
             )
             after.give_group_up()
         return RankResult(outcome, after)

@@ -83,13 +83,10 @@ def blame(mismatch: Mismatch, outcomes: dict[int, RankOutcome]) -> None:
             continue
         if outcome.ending is not Ending.RETURNED:
             outcome = outcome.noted(f"after that, it {outcome.describe()}", first=True)
-        outcomes[rank] = outcome.but(
-            ending=Ending.RAISED,
-            exc_type=MISMATCH_TYPE,
-            exc_mro=("CollectiveMismatch", "Exception"),
-            exc_classes=(MISMATCH_TYPE,),
-            message=mismatch.sentence(rank),
-            origin_rank=None,
+        outcomes[rank] = outcome.raised_instead(
+            MISMATCH_TYPE,
+            ("CollectiveMismatch", "Exception"),
+            mismatch.sentence(rank),
             at=first - 1e-6,  # before whatever the mismatch caused on its peers
         )
 

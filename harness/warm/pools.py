@@ -170,7 +170,7 @@ class Pools:
             failed = [o.setup_failed for o in outcomes]
             if not (all(failed) or (reused and any(failed))):
                 return outcomes
-            outcomes = [o.but(setup_attempts=attempt) for o in outcomes]
+            outcomes = [o.set_up_tried(attempt) for o in outcomes]
             if deadline - time.monotonic() < MIN_SET_UP_RETRY_S:
                 break
         return outcomes

@@ -146,10 +146,10 @@ class RunLoop:
         self._live.drain(final=True)
         self._name_a_mismatch()
         for slot in self.slots:
-            self.outcomes[slot.rank] = self.outcomes[slot.rank].but(
-                stdout=self._live.report(slot.files.stdout),
-                stderr=self._live.report(slot.files.stderr),
-                log=tail(slot.files.log).rstrip("\n"),
+            self.outcomes[slot.rank] = self.outcomes[slot.rank].with_output(
+                self._live.report(slot.files.stdout),
+                self._live.report(slot.files.stderr),
+                tail(slot.files.log).rstrip("\n"),
             )
         # A rank with a thread of the test's still running is not clean for the next test.
         suspect = any(
@@ -195,7 +195,7 @@ class RunLoop:
     def _replaced(self, rank: int, why: str) -> None:
         outcome = self.outcomes.get(rank)
         if outcome is not None and not outcome.replace_after:
-            self.outcomes[rank] = outcome.but(replace_after=why)
+            self.outcomes[rank] = outcome.replaced(why)
 
     def _poll_s(self) -> float:
         """How long one wait may block: short while output streams live or a run is on the
@@ -331,7 +331,7 @@ class RunLoop:
             self.key, slot.rank, slot.pid, slot.process.exitcode, time.monotonic()
         )
         if outcome.ending is Ending.SIGNALLED:
-            outcome = outcome.but(traceback=crash_stack(slot.files.crash))  # where it crashed
+            outcome = outcome.with_traceback(crash_stack(slot.files.crash))  # where it crashed
         self._record(outcome)
 
     def _record(self, outcome: RankOutcome) -> None:

@@ -165,12 +165,9 @@ def import_ahead(
             item.stash[_import_output_key] = (target.module, outcomes)
         return []
     return [
-        o.but(
-            notes=(
-                f"rank {o.rank} still importing {target.module} after {bound:g} s "
-                f"(--rank-import-timeout), apart from the test's own bound",
-            ),
-            stack=fold_importlib(o.stack),
+        o.with_stack(fold_importlib(o.stack)).noted(
+            f"rank {o.rank} still importing {target.module} after {bound:g} s "
+            f"(--rank-import-timeout), apart from the test's own bound"
         )
         if o.ending is Ending.HUNG and not o.after_failure
         else o

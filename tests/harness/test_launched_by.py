@@ -18,7 +18,8 @@ import pytest
 
 from harness.common.hostlist import HostListError, expand_hosts, expand_tasks_per_node
 from harness.common.launch_detect import DERIVED_PORTS, LaunchError, detect, export
-from harness.common.outcome import Ending, RankOutcome, failure_text, without_cpp_frames
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.report_text import failure_text, without_cpp_frames
 from harness.launched.terminal import stop_report
 from tests.harness.conftest import HEADER, assert_all_gone, kill_quietly
 

@@ -6,14 +6,9 @@ from typing import Any
 
 import pytest
 
-from harness.common.outcome import (
-    Ending,
-    RankOutcome,
-    ReportStyle,
-    diagnose,
-    render_report,
-    summary_line,
-)
+from harness.common.outcome import Ending, RankOutcome
+from harness.common.report_text import ReportStyle, render_report, summary_line
+from harness.common.root_cause import diagnose
 
 pytestmark = pytest.mark.unit  # logic in this process, with fakes: make unit-fast
 

@@ -26,7 +26,7 @@ import tempfile
 import types
 import unittest
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pytest
@@ -311,4 +311,4 @@ def as_skip(outcome: RankOutcome) -> RankOutcome:
     if outcome.ending is not Ending.HARD_EXIT or outcome.exit_code is None:
         return outcome
     reason = ranks.skip_messages().get(outcome.exit_code)
-    return outcome if reason is None else replace(outcome, ending=Ending.SKIPPED, message=reason)
+    return outcome if reason is None else outcome.skipped_instead(reason)
