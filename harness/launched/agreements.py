@@ -53,13 +53,13 @@ def agree_on_backend(launched: LaunchedSession) -> None:
         "backend": launched.backend,
         "seed": seed.value,
         "source": seed.source,
-        "nonce": launched.nonce,
+        "nonce": launched.link.peers.nonce,
         "torch": str(torch.__version__),
         "rankwise": _rankwise_version(),
         "node": launched.launch.node_name,
         "store": store_is_here(launched.launch),
     }
-    found = launched.gather("backend", json.dumps(mine), AGREE_S)
+    found = launched.link.gather("backend", json.dumps(mine), AGREE_S)
     if not found.complete:
         why = _absent_by_node(launched, found)
         end_session(launched, f"harness: not every launched rank started its session ({why})")
@@ -72,10 +72,10 @@ def agree_on_backend(launched: LaunchedSession) -> None:
         _agree_on(launched, words, package, f"install the same {package} on every node")
     if words[0]:
         use_seed(launched.config, seeds.SessionSeed(words[0]["seed"], words[0]["source"]))
-    launched.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
-    launched.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
-    launched.say_place()
-    joined = launched.gather("fresh", "1", AGREE_S)
+    launched.link.peers.freshen([str(w["nonce"]).encode() if w else b"" for w in words])
+    launched.link.put(f"pid/{launched.rank}", str(os.getpid()))  # under the fresh prefix too
+    launched.link.peers.say_place()
+    joined = launched.link.gather("fresh", "1", AGREE_S)
     if not all(joined.values):
         why = joined.absent_text()
         end_session(
@@ -144,7 +144,7 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
     mine = [item.nodeid for item in items]
     launched.position.collect(mine)
     said = {"tests": mine, "errors": _collection_errors(launched.config)}
-    found = launched.gather("collected", json.dumps(said), AGREE_S)
+    found = launched.link.gather("collected", json.dumps(said), AGREE_S)
     differences: dict[tuple[str, str], list[int]] = {}
     errors, unfinished = [], []
     for r, blob in enumerate(found.values):
@@ -159,7 +159,7 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
         said_by_r = [f"rank {r} could not collect {text}" for text in theirs["errors"]]
         errors += said_by_r
         if r != launched.rank:
-            launched.fate.peer_collection_errors += said_by_r
+            launched.fate.note_peer_collection_errors(said_by_r)
         if theirs["tests"] != mine:
             what = _collection_difference(theirs["tests"], launched.rank, mine)
             differences.setdefault((launched.nodes.node_of(r), what), []).append(r)
@@ -195,14 +195,14 @@ def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     status = int(session.exitstatus)
     launched.position.at_the_end()  # past every test: the end's keys are not deleted
     mine = {"status": status, "failed": _failed(session)}
-    found = launched.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
+    found = launched.link.gather("status", json.dumps(mine), AGREE_S, follow_exits=False)
     if launched.rank == 0:
         final = _final(launched, found, mine)
-        launched.put("final", str(final))
+        launched.link.put("final", str(final))
     elif 0 in launched.fate.lost or launched.store_lost:
         final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
     else:
-        blob = launched.get("final", AGREE_S)
+        blob = launched.link.get("final", AGREE_S)
         if blob is None:
             launched.say(
                 f"harness: rank {launched.rank} could not learn rank 0's exit status (rank 0 "

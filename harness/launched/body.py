@@ -47,13 +47,15 @@ def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> s
 
 def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -> None:
     """Name this test's store keys and give it its group (none for launch=True)."""
-    item.stash[_key_key] = _start_run(session, item.nodeid, spec, session.test_key())
+    item.stash[_key_key] = _start_run(session, item.nodeid, spec, session.position.test_key())
 
 
 def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
     if spec.launch:
-        session.set_own_group_aside()  # the test sets its own up, from torchrun's environment
-    elif not (found := session.agree_on_group(key, ARRIVE_S, spec.fresh_group)).has_every_value:
+        session.group.set_aside()  # the test sets its own up, from torchrun's environment
+    elif not (
+        found := session.group.agree(session.link, key, ARRIVE_S, spec.fresh_group)
+    ).has_every_value:
         raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
             f"({found.absent_text()}); the test body never ran",
@@ -73,9 +75,9 @@ def agree_on_set_up(
     key = item.stash[_key_key]
     said = "" if error is None else _said(error)
     if error is not None and type(error).__name__ != "Skipped":
-        session.drop_group()  # peers blocked in a fixture's collective on this rank fail now
+        session.group.drop()  # peers blocked in a fixture's collective on this rank fail now
     with timeout_interop.pytest_timeout_paused(item):  # a slow peer's set-up is its own to time
-        found = session.gather(f"{key}/setup", said, ARRIVE_S)
+        found = session.link.gather(f"{key}/setup", said, ARRIVE_S)
     by_rank = {
         r: (blob.decode(errors="replace") if blob is not None else None)
         for r, blob in enumerate(found.values)
@@ -84,14 +86,14 @@ def agree_on_set_up(
     if not found.has_every_value:
         absent = found.absent_text()
         session.fate.lose(found.absent)
-        session.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
+        session.fate.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         pytest.fail(f"not every rank finished setting up ({absent})", pytrace=False)
     skips = {r: s for r, s in failed.items() if s.startswith("skip:")}
     errors = {r: s for r, s in failed.items() if r not in skips}
     if errors and (error is None or session.rank in skips):
         first = min(errors)
         if skips or error is None:
-            session.drop_group()  # the group may be mid-collective on the failed rank
+            session.group.drop()  # the group may be mid-collective on the failed rank
         pytest.fail(
             f"rank {first}'s set-up failed ({errors[first]}); rank {session.rank} did not run "
             f"the body: every rank must set up alike",
@@ -133,7 +135,7 @@ def run_call(
     reason = skip_reason(session, spec, gpu_marked=False)
     if reason is not None:
         pytest.skip(f"run_on_ranks: {reason}")
-    key = _start_run(session, node.nodeid, spec, session.call_key())
+    key = _start_run(session, node.nodeid, spec, session.position.call_key())
     return _run_everywhere(session, key, spec, node, lambda: fn(*args, **kwargs))
 
 
@@ -147,13 +149,13 @@ def _run_everywhere(
     started = time.monotonic()  # the hang timer's clock too: both count from the body's start
     outcome, group_ok = _run_here(node, session, spec, key, call, started)
     if outcome.ending not in _CLEAN or not group_ok:
-        session.drop_group()  # peers blocked on this rank fail now, not at their timeout
+        session.group.drop()  # peers blocked on this rank fail now, not at their timeout
     if not group_ok:
         outcome = outcome.noted(GROUP_DESTROYED)
     left = spec.timeout_s - (time.monotonic() - started)
-    if key == session.test_key():
+    if key == session.position.test_key():
         session.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
-    outcomes = session.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
+    outcomes = session.outcomes.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
     _after(node, session, outcomes)
     return outcomes
 
@@ -162,7 +164,7 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
     """Drop the group on every rank when any rank's run broke it; end the session after a
     hang or a lost rank, or when the launcher is stopping the job."""
     if any(o.ending not in _CLEAN or GROUP_DESTROYED in o.notes for o in outcomes):
-        session.drop_group()
+        session.group.drop()
     for o in outcomes:
         if o.ending is Ending.HUNG:  # either way the rank is stuck, and cannot be replaced
             why = "it hung waiting on a peer (collateral)" if o.looks_collateral else "it hung"
@@ -175,7 +177,7 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
     if session.stopping:
         reasons.append("the launcher is stopping the job")
     if reasons:
-        session.stop(
+        session.fate.stop(
             f"the session ends after {item.nodeid} ({'; '.join(reasons)}): a launched rank "
             f"cannot be replaced",
             item.session,
@@ -195,7 +197,7 @@ def _run_here(
     outcome, _before = run_body(
         key, session.rank, spec, LaunchedBody(item, session, spec, key, call), started
     )
-    group_ok = spec.launch or session.has_group()
+    group_ok = spec.launch or session.group.is_default()
     environment.put_back()  # as a warm rank does; changed variables are only reported here
     return outcome, group_ok
 
@@ -251,7 +253,7 @@ class LaunchedBody:
             and dist.group.WORLD is not self._fixtures_group
         )
         if left:
-            self._session.drop_group()
+            self._session.group.drop()
         return outcome, left
 
     def children_before(self) -> set[int]:

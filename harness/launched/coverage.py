@@ -13,20 +13,22 @@ from typing import Any
 
 import pytest
 
-from harness.launched.session import AGREE_S, LaunchedSession
+from harness.launched.link import Link
+from harness.launched.session import AGREE_S
 
 
-def hand_to_rank_0(launched: LaunchedSession, session: pytest.Session) -> None:
+def hand_to_rank_0(link: Link | None, rank: int, session: pytest.Session) -> None:
     """After the tests, before pytest-cov finishes: this rank's data saved, and every rank
-    waits until every rank's is (rank 0 then combines them all)."""
+    waits until every rank's is (rank 0 then combines them all). `link`: None where the
+    session never connected to the launch's store."""
     plugin: Any = session.config.pluginmanager.get_plugin("_cov")
     controller = getattr(plugin, "cov_controller", None)
-    if controller is None or not launched.connected:
+    if controller is None or link is None:
         return
-    if launched.rank != 0:
+    if rank != 0:
         controller.cov.stop()
         controller.cov.save()  # a parallel data file of its own, beside rank 0's
         controller.finish = lambda: None  # rank 0 combines
         plugin.options.cov_report = {}  # and reports: a rank's own lines are part of it
         plugin.options.cov_fail_under = None
-    launched.gather("coverage-saved", "1", AGREE_S, follow_exits=False)
+    link.gather("coverage-saved", "1", AGREE_S, follow_exits=False)

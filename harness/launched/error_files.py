@@ -63,7 +63,7 @@ def write(launched: LaunchedSession, final: int) -> None:
         said = f"collateral: {nodeid}: {line}"
         wrote = write_launcher_error(said, said, stamp + 1)
     if wrote:  # the launcher stops the job at the first exit: every entry is there by then
-        launched.gather("error-file", "1", AGREE_S, follow_exits=False)
+        launched.link.gather("error-file", "1", AGREE_S, follow_exits=False)
 
 
 def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
@@ -77,7 +77,7 @@ def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
         )
         if told is not None:
             told["at"] = int(time.time())
-        launched.put("root-cause", json.dumps(told))
+        launched.link.put("root-cause", json.dumps(told))
         return told
     if 0 in launched.fate.lost or launched.store_lost:  # no word of rank 0's: this rank's own
         first = launched.fate.first_failure
@@ -85,7 +85,7 @@ def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
             return None
         return {"nodeid": first.nodeid, "root": first.root, "line": first.line[:2000],
                 "at": int(time.time())}  # fmt: skip
-    blob = launched.get("root-cause", AGREE_S)
+    blob = launched.link.get("root-cause", AGREE_S)
     if blob is None:
         return None
     try:

@@ -51,6 +51,10 @@ class Fate:
             by_reason.setdefault(why, []).append(rank)
         return [f"{ranks_phrase(ranks)}: {why}" for why, ranks in by_reason.items()]
 
+    def note_peer_collection_errors(self, errors: list[str]) -> None:
+        """Another rank's collection errors, for this rank's report (theirs are quiet)."""
+        self.peer_collection_errors.extend(errors)
+
     def note_failure(self, failure: FirstFailure) -> None:
         if self.first_failure is None:
             self.first_failure = failure

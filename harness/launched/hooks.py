@@ -50,6 +50,7 @@ class LaunchedPlugin:
         self.launched = start(config, launch, settings_of(config).backend)
         seam.use(config, LaunchedRanks(self.launched))
         self.kept_warnings = kept  # raised as this process imported torch: said at collection
+        self.restore_rendezvous: Callable[[], None] = lambda: None  # torch's env:// handler
 
     @pytest.hookimpl(tryfirst=True)  # inside pytest's capture of the collection's warnings
     def pytest_collection(self, session: pytest.Session) -> None:
@@ -59,7 +60,7 @@ class LaunchedPlugin:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         launched = self.launched
         launched.connect()
-        launched.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
+        self.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
         launched.watch.catch_sigterm()
         faults.before_fatal = launched.note_death
         agreements.agree_on_backend(launched)
@@ -71,7 +72,7 @@ class LaunchedPlugin:
             return
         specs = [item.stash[SPEC_KEY] for item in session.items if SPEC_KEY in item.stash]
         longest = max((spec.timeout_s for spec in specs), default=0.0)
-        self.launched.bound_groups(longest)
+        self.launched.group.bound(longest)
         agreements.agree_on_collection(self.launched, session.items)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # around plugin.py's set-up
@@ -80,7 +81,7 @@ class LaunchedPlugin:
         launched = self.launched
         launched.begin(item.nodeid)
         if launched.stopping:
-            launched.stop("the launcher is stopping the job", item.session)
+            launched.fate.stop("the launcher is stopping the job", item.session)
             pytest.skip("not run: the launcher is stopping the job")
         return (yield)
 
@@ -118,13 +119,16 @@ class LaunchedPlugin:
     @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it finishes
     def pytest_runtestloop(self, session: pytest.Session) -> Any:
         result = yield
-        coverage.hand_to_rank_0(self.launched, session)
+        launched = self.launched
+        coverage.hand_to_rank_0(
+            launched.link if launched.connected else None, launched.rank, session
+        )
         return result
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         launched = self.launched
         if launched.connected:
-            launched.restore_rendezvous()
+            self.restore_rendezvous()
             agreements.agree_on_exit(launched, session)
             error_files.write(launched, int(session.exitstatus))
 
@@ -179,7 +183,7 @@ class LaunchedRanks:
             return result
         # A test without ranks sees none of the harness's process group, as in a plain
         # session (the next ranks test sets one up again); a group its fixtures set up stays.
-        self.launched.set_own_group_aside()
+        self.launched.group.set_aside()
         if gpu_marked:
             seam.skip_without_gpus(1)
         return (yield)
@@ -212,7 +216,7 @@ class LaunchedRanks:
         return self.launched.rank
 
     def device_here(self) -> Any:
-        return self.launched.device()
+        return self.launched.group.device()
 
     def shared_path(
         self, request: pytest.FixtureRequest, make: Callable[[], Path], timeout_s: float
@@ -220,12 +224,12 @@ class LaunchedRanks:
         """Rank 0's new directory, on every rank (shared across nodes only if the filesystem
         is)."""
         launched = self.launched
-        key = f"{launched.test_key()}/shared_tmp_path"
+        key = f"{launched.position.test_key()}/shared_tmp_path"
         if launched.rank == 0:
             path = make()
-            launched.put(key, str(path))
+            launched.link.put(key, str(path))
             return path
-        found = launched.get(key, timeout_s)
+        found = launched.link.get(key, timeout_s)
         if found is None:
             pytest.fail(f"rank 0 did not make the shared_tmp_path of {request.node.nodeid}")
         path = Path(found.decode(errors="replace"))

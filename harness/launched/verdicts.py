@@ -25,7 +25,7 @@ from harness.plan.settings import session_timeout, settings_of
 
 def fixtures_key(launched: LaunchedSession) -> str:
     """Where a rank's record of a hang in the current test's fixtures goes."""
-    return f"{launched.test_key()}/fixtures"
+    return f"{launched.position.test_key()}/fixtures"
 
 
 # How long a rank waits for the others to finish a test without ranks (each runs it on its
@@ -49,14 +49,14 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     # pytest-timeout off while this rank waits: a slow peer's own timer fails its own test,
     # and this rank then reports it (not a timeout in the harness's wait).
     with timeout_interop.pytest_timeout_paused(item):
-        key = f"{launched.test_key()}/plain"
+        key = f"{launched.position.test_key()}/plain"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     if not found.complete:
         absent = found.absent_text()
         launched.fate.lose(found.absent)
         if 0 in launched.fate.lost:
             launched.speak_for_rank_0()  # rank 0 cannot report this test: the lowest rank left does
-        launched.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
+        launched.fate.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
             report.outcome = "failed"
             report.longrepr = f"not every rank finished this test: {absent}"
@@ -110,25 +110,25 @@ def _gather_releasing_peers(
     """Every rank's `mine` under `key`; where this rank `failed`, a peer still blocked in
     torch.distributed (on this rank, most likely) is released by leaving the group."""
     if not failed:
-        return launched.gather(key, mine, PLAIN_WAIT_S)
+        return launched.link.gather(key, mine, PLAIN_WAIT_S)
     start = time.monotonic()
     blocked_since: float | None = None
-    found = launched.gather(key, mine, RELEASE_CHECK_S)
+    found = launched.link.gather(key, mine, RELEASE_CHECK_S)
     while not found.complete and time.monotonic() - start < PLAIN_WAIT_S:
-        waiting = [r for r in found.absent if launched.still_in_this_test(r)]
+        waiting = [r for r in found.absent if launched.link.peers.still_in_this_test(r)]
         if not waiting:
             break
-        blocked = [r for r in waiting if launched.in_torch_distributed(r)]
-        if blocked and launched.has_default_group():
-            launched.drop_group()
-            return launched.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
+        blocked = [r for r in waiting if launched.link.peers.in_torch_distributed(r)]
+        if blocked and launched.group.any_default():
+            launched.group.drop()
+            return launched.link.gather(key, None, PLAIN_WAIT_S - (time.monotonic() - start))
         # Blocked with no group here to leave (a set-up that failed before the rendezvous
         # the peer waits in): after the test's timeout it is hung, and the session ends.
         blocked_since = (blocked_since or time.monotonic()) if blocked else None
         if blocked_since is not None and time.monotonic() - blocked_since > _timeout(launched):
             why = "blocked in torch.distributed, waiting on this rank"
             return found.with_absent(dict.fromkeys(blocked, why))
-        found = launched.gather(key, None, RELEASE_CHECK_S)
+        found = launched.link.gather(key, None, RELEASE_CHECK_S)
     return found
 
 
@@ -182,7 +182,7 @@ def teardown_verdict(
     lost_before = set(launched.fate.lost) | {launched.rank}
     # As for the verdict: a slow peer times itself.
     with timeout_interop.pytest_timeout_paused(item):
-        key = f"{launched.test_key()}/teardown"
+        key = f"{launched.position.test_key()}/teardown"
         found = _gather_releasing_peers(launched, key, report.failed, json.dumps(mine))
     gone = {r: why for r, why in found.absent.items() if r not in lost_before}
     if gone:  # a rank that died in its teardown (even with status 0), or hangs there
@@ -190,15 +190,17 @@ def teardown_verdict(
         launched.fate.lose(gone)
         if 0 in launched.fate.lost:
             launched.speak_for_rank_0()
-        launched.stop(f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session)
+        launched.fate.stop(
+            f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session
+        )
         if not report.failed:
             report.outcome = "failed"
-            hung = launched.hang_reports(fixtures_key(launched), sorted(gone))
+            hung = launched.outcomes.hang_reports(fixtures_key(launched), sorted(gone))
             report.longrepr = f"not every rank finished this test's teardown: {absent}{hung}"
         return
     failed = [(r, t["text"]) for r, t in _others(launched, found, key) if t["failed"]]
     if failed or report.failed:  # a fixture's collective may have broken the group
-        launched.set_own_group_aside()  # the next test sets a fresh one up
+        launched.group.set_aside()  # the next test sets a fresh one up
     if failed and not report.failed:
         rank, text = failed[0]
         report.outcome = "failed"

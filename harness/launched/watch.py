@@ -24,7 +24,9 @@ from typing import Any, Protocol
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.report_text import failure_text
 from harness.common.stacks import trim_in_process
+from harness.launched.exchange import OutcomeExchange
 from harness.launched.fate import Fate
+from harness.launched.position import Position
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
@@ -133,35 +135,24 @@ class Watched(Protocol):
     rank: int
     fate: Fate  # its `finished` and `final_status`: the exit status, once agreed
 
+    position: Position  # where this rank is: the test running now, those not run yet
+
     @property
-    def current(self) -> str:
-        """The node id of the test running now."""
+    def outcomes(self) -> OutcomeExchange:
+        """Every rank's outcome of a run: this rank's hang published, its own outcome read."""
         ...
 
     @property
     def stopping(self) -> bool: ...
-
-    def publish_hang(self, key: str, outcome: RankOutcome) -> None:
-        """Publish this rank's hang as its outcome of run `key` (the main thread, should it
-        come back, keeps it)."""
-        ...
 
     def launcher_stopped(self) -> bool:
         """Note that the launcher is stopping the job; False when it was noted already or
         the session is not connected."""
         ...
 
-    def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]: ...
-
-    def own_outcome(self, key: str) -> RankOutcome:
-        """The outcome this rank published for run `key`."""
-        ...
-
     def stop_report(self, wait_s: float) -> str:
         """Rank 0's words on a job the launcher stopped: which ranks ended first, and why."""
         ...
-
-    def not_run(self) -> list[str]: ...
 
     def say(self, text: str) -> None:
         """Write to the real terminal, past pytest's capture."""
@@ -214,13 +205,13 @@ class Watch:
             notes=(note,),
         )
         hung_at = time.time()
-        session.publish_hang(key, outcome)
+        session.outcomes.publish_hang(key, outcome)
         said = self._every_word(key)  # now, while every peer that returned is still here
         if not session.reports():
             with contextlib.suppress(Exception):
-                session.last_words(session.current, said, hung_at)
+                session.last_words(session.position.current, said, hung_at)
             os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job
-        self._finish_or_report(f"rank {session.rank} hung in {session.current}", key)
+        self._finish_or_report(f"rank {session.rank} hung in {session.position.current}", key)
 
     def _every_word(self, key: str) -> str:
         """The verdict on run `key` as this hung rank sees it, from every rank's word (a few
@@ -228,7 +219,9 @@ class Watch:
         does not report (a peer hung too, a node lost), where it would otherwise say nothing."""
         session = self._session
         try:
-            outcomes = session.exchange(key, session.own_outcome(key), STOPPED_WAIT_S)
+            outcomes = session.outcomes.exchange(
+                key, session.outcomes.own_outcome(key), STOPPED_WAIT_S
+            )
         except Exception:
             return f"rank {session.rank} hung"
         return failure_text(outcomes) or f"rank {session.rank} hung"
@@ -303,23 +296,27 @@ class Watch:
                 self._report(why, hung_key)
         elif hung_key is None:  # each node says what it saw of the job's end
             with contextlib.suppress(Exception):
-                session.tell_node(session.current, self._text(hung_key).split("- ", 1)[-1])
+                session.tell_node(session.position.current, self._text(hung_key).split("- ", 1)[-1])
         os._exit(1)
 
     def _text(self, hung_key: str | None) -> str:
         session = self._session
         if hung_key is None:
             return session.stop_report(STOPPED_WAIT_S)
-        outcomes = session.exchange(hung_key, session.own_outcome(hung_key), STOPPED_WAIT_S)
+        outcomes = session.outcomes.exchange(
+            hung_key, session.outcomes.own_outcome(hung_key), STOPPED_WAIT_S
+        )
         text = failure_text(outcomes) or "every rank returned"
-        return f"FAILED {session.current} (reported by rank {session.rank}'s timer)\n{text}"
+        return (
+            f"FAILED {session.position.current} (reported by rank {session.rank}'s timer)\n{text}"
+        )
 
     def _report(self, why: str, hung_key: str | None) -> None:
         session = self._session
         rank = session.rank
         text = self._text(hung_key)
         session.say(text)
-        left = [n for n in session.not_run() if n != session.current]
+        left = [n for n in session.position.not_run() if n != session.position.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
         session.say(
             f"harness: the session ended early ({why}; rank {rank} could not finish it, so "

@@ -33,14 +33,10 @@ def _parts(rank: int, measured: bool = True, connected: bool = True) -> tuple[An
         options=SimpleNamespace(cov_report={"term": None}, cov_fail_under=90.0),
     )
     gathered: list[str] = []
-    launched = SimpleNamespace(
-        rank=rank,
-        connected=connected,
-        gather=lambda name, value, seconds, follow_exits: gathered.append(name),
-    )
+    link = SimpleNamespace(gather=lambda name, value, seconds, follow_exits: gathered.append(name))
     manager = SimpleNamespace(get_plugin=lambda name: plugin if name == "_cov" else None)
     session = SimpleNamespace(config=SimpleNamespace(pluginmanager=manager))
-    hand_to_rank_0(launched, session)  # type: ignore[arg-type]
+    hand_to_rank_0(link if connected else None, rank, session)  # type: ignore[arg-type]
     return plugin, cov, gathered
 
 
