@@ -1,0 +1,108 @@
+"""Small parts both sides use, tested directly in this process: how a hung or crashed rank's
+stack is trimmed to the test's own frames, where a rank finds a function by name, and the
+environment copied and restored cheaply."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.common import environment, stacks
+from harness.common.errors import SpecError
+from harness.plan import packing
+
+pytestmark = pytest.mark.unit
+
+HERE = Path(__file__)
+
+
+def module_level(x: int) -> int:
+    return x
+
+
+RETURN_LINE = module_level.__code__.co_firstlineno + 1  # the line `return x` is on
+
+
+def test_a_rank_finds_a_module_level_function_by_name_and_nothing_else() -> None:
+    target = packing.function_target(module_level)
+    assert (target.module, target.qualname) == (__name__, "module_level")
+    assert target.file == __file__  # a test file: loaded in the ranks as pytest loads it
+    with pytest.raises(SpecError, match=r"needs a module-level function.*move it to the top"):
+        packing.function_target(lambda: None)
+
+    def nested() -> None: ...
+
+    with pytest.raises(SpecError, match="module-level"):
+        packing.function_target(nested)
+    assert packing.function_target(os.getcwd).file is None  # a library's: imported by name
+    assert packing.pickles(1) and not packing.pickles(lambda: None)
+
+
+def test_importlibs_frames_fold_into_one_line_per_run() -> None:
+    dump = "\n".join(
+        [
+            "Thread 0x1 (most recent call first):",
+            '  File "/app/test_x.py", line 3 in test_x',
+            '  File "<frozen importlib._bootstrap>", line 1 in _load',
+            '  File "<frozen importlib._bootstrap_external>", line 2 in exec_module',
+            '  File "<frozen importlib._bootstrap>", line 3 in _call',
+            '  File "/lib/big.py", line 9 in <module>',
+        ]
+    )
+    folded = stacks.fold_importlib(dump).splitlines()
+    assert folded[2] == "  [3 importlib frame(s)]" and folded[3].endswith("in <module>")
+
+
+def test_a_dump_in_a_launched_process_keeps_the_tests_frames_only(tmp_path: Path) -> None:
+    caller = "/site/harness/launched/body.py"
+    dump = "\n".join(
+        [
+            "Current thread 0x1 (most recent call first):",
+            '  File "/site/harness/launched/watch.py", line 5 in _fire',
+            "",
+            "Thread 0x2 (most recent call first):",
+            '  File "/site/harness/launched/store.py", line 7 in _beat',
+            '  File "/usr/lib/python3.11/threading.py", line 9 in run',
+            "",
+            "Thread 0x3 (most recent call first):",
+            f'  File "{HERE}", line {RETURN_LINE} in module_level',
+            f'  File "{caller}", line 40 in run',
+            '  File "/site/_pytest/runner.py", line 1 in call',
+        ]
+    )
+    kept = stacks.trim_in_process(dump, caller, quiet=("launched/store.py",))
+    assert kept.splitlines() == [
+        "Thread 0x3 (most recent call first):",
+        f'  File "{HERE}", line {RETURN_LINE} in module_level',
+        "    return x",  # the frame's source line, as a traceback shows it
+    ]
+
+
+def test_a_crash_report_is_read_bounded_and_without_its_module_list(tmp_path: Path) -> None:
+    report = tmp_path / "rank1.crash"
+    assert stacks.crash_stack(report) == ""  # a rank that wrote none
+    report.write_text(
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x1 (most recent call first):\n"
+        f'  File "{HERE}", line {RETURN_LINE} in module_level\n'
+        "\nExtension modules: numpy, torch (total: 2)\n"
+    )
+    text = stacks.crash_stack(report)
+    assert text.startswith("Fatal Python error: Segmentation fault")
+    assert "    return x" in text and "Extension modules" not in text
+
+
+def test_the_environment_is_restored_as_it_was_and_only_changes_are_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANKWISE_TEST_KEPT", "1")
+    before = environment.snapshot()
+    monkeypatch.setenv("RANKWISE_TEST_KEPT", "2")
+    monkeypatch.setenv("RANKWISE_TEST_NEW", "x")
+    assert environment.variables()["RANKWISE_TEST_NEW"] == "x"
+    environment.restore(before)
+    assert os.environ["RANKWISE_TEST_KEPT"] == "1" and "RANKWISE_TEST_NEW" not in os.environ
+    assert environment.decoded(environment.encoded({"A": "b"})) == {"A": "b"}
+    assert not environment.replaced()
