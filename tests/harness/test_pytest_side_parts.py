@@ -5,13 +5,18 @@ environment copied and restored cheaply."""
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
 
 from harness.common import environment, stacks
 from harness.common.errors import SpecError
+from harness.common.expect import raises
+from harness.common.outcome import Ending
 from harness.plan import packing
+from harness.pytest_side.run_on_ranks import WorldOutcome
+from tests.harness.conftest import outcome
 
 pytestmark = pytest.mark.unit
 
@@ -106,3 +111,19 @@ def test_the_environment_is_restored_as_it_was_and_only_changes_are_decoded(
     assert os.environ["RANKWISE_TEST_KEPT"] == "1" and "RANKWISE_TEST_NEW" not in os.environ
     assert environment.decoded(environment.encoded({"A": "b"})) == {"A": "b"}
     assert not environment.replaced()
+
+
+def test_a_world_outcome_gives_values_only_when_every_rank_returned() -> None:
+    mro = ("t.E", "builtins.Exception", "builtins.BaseException", "builtins.object")
+    fine = WorldOutcome([outcome(r, value_blob=pickle.dumps(r * 10)) for r in range(2)])
+    assert fine.values == [0, 10] and fine.report() == "every rank returned"
+    assert [o.rank for o in fine] == [0, 1] and len(fine) == 2 and fine[1].value == 10
+    broken = WorldOutcome(
+        [outcome(0), outcome(1, Ending.RAISED, exc_type="t.E", exc_classes=mro, message="x")]
+    )
+    assert broken.endings == [Ending.RETURNED, Ending.RAISED]
+    with pytest.raises(AssertionError, match=r"^rank 1 failed: raised E: x"):
+        _ = broken.values
+    broken.expect(rank=1, does=raises(Exception))  # as expected: no error
+    with pytest.raises(AssertionError, match=r"expected outcomes not met on rank 0"):
+        broken.expect(rank=0, does=raises(Exception), others=raises(Exception))
