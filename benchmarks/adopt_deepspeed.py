@@ -148,8 +148,9 @@ def _environment(plugin_dir: Path, times: Path, path: tuple[str, ...] = ()) -> d
 @contextlib.contextmanager
 def buffers_left_removed() -> Iterator[None]:
     """The all-reduce buffers DeepSpeed's own pools leave in /dev/shm (66 MB a rank process,
-    never unlinked: see harness/shm_buffers.py), those made or rewritten while this runs,
-    removed after it: a machine that runs DeepSpeed's tests as they are fills its memory."""
+    never unlinked: see harness/adopt/deepspeed/shm_buffers.py), those made or rewritten while
+    this runs, removed after it: a machine that runs DeepSpeed's tests as they are fills its
+    memory."""
     before = buffers_written()
     try:
         yield

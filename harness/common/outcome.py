@@ -132,6 +132,10 @@ class RankOutcome:
         """What the rank printed (and logged), as the process reading its streams saw it."""
         return replace(self, stdout=stdout, stderr=stderr, log=self.log if log is None else log)
 
+    def with_notes(self, *notes: str) -> RankOutcome:
+        """This outcome with `notes` in place of its own (a better account of the same end)."""
+        return replace(self, notes=notes)
+
     def with_traceback(self, traceback: str) -> RankOutcome:
         """Where the rank was: a crash's stack, read from its crash file."""
         return replace(self, traceback=traceback)
@@ -278,12 +282,10 @@ def exit_code(exc: SystemExit) -> int:
 
 
 def outcome_from_exitcode(
-    key: str, rank: int, pid: int, exitcode: int | None, at: float, signum: int | None = None
+    key: str, rank: int, pid: int, exitcode: int | None, at: float
 ) -> RankOutcome:
     """The outcome of a rank process that ended without reporting a result: its exit status
-    (negative: the signal that killed it, as multiprocessing says it), or `signum`."""
-    if signum is None and exitcode is not None and exitcode < 0:
-        signum = -exitcode
-    if signum is not None:
-        return RankOutcome(key, rank, pid, Ending.SIGNALLED, at=at, signal=signum)
+    as multiprocessing gives it (negative: the signal that killed it)."""
+    if exitcode is not None and exitcode < 0:
+        return RankOutcome(key, rank, pid, Ending.SIGNALLED, at=at, signal=-exitcode)
     return RankOutcome(key, rank, pid, Ending.HARD_EXIT, at=at, exit_code=exitcode)

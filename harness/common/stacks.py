@@ -160,6 +160,7 @@ _RANK_CALLERS = (
     "harness.rank.body",
     "harness.rank.loader",
     "harness.rank.group",
+    "harness.adopt.ranks",  # the entry every adopted base's rank goes through
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from harness.common.outcome import Ending, RankOutcome, outcome_from_exitcode
+from harness.common.outcome import Ending, RankOutcome
 from harness.common.report_text import failure_text
 from harness.launched import records
 from harness.launched.fate import Fate
@@ -111,9 +111,11 @@ class OutcomeExchange:
             )
         self._fate.lose({rank: why})
         note = f"rank {rank} gave no outcome: {why}"
-        signum = died.get("signal")
-        code = None if signum is not None else died.get("code")
-        return outcome_from_exitcode(key, rank, pid, code, time.monotonic(), signum).noted(note)
+        now, signum = time.monotonic(), died.get("signal")
+        if signum is not None:
+            return RankOutcome(key, rank, pid, Ending.SIGNALLED, at=now, signal=signum).noted(note)
+        code = died.get("code")  # as the rank said it: a negative one too is a status
+        return RankOutcome(key, rank, pid, Ending.HARD_EXIT, at=now, exit_code=code).noted(note)
 
     def _node_lost(self, rank: int, found: Gathered) -> str:
         """What happened to `rank`'s node, where it is gone or out of reach as a whole ("":

@@ -165,7 +165,7 @@ def import_ahead(
             item.stash[_import_output_key] = (target.module, outcomes)
         return []
     return [
-        o.with_stack(fold_importlib(o.stack)).noted(
+        o.with_stack(fold_importlib(o.stack)).with_notes(
             f"rank {o.rank} still importing {target.module} after {bound:g} s "
             f"(--rank-import-timeout), apart from the test's own bound"
         )

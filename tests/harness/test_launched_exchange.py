@@ -134,3 +134,17 @@ def test_a_hang_this_rank_published_is_its_own_outcome_and_is_not_sent_again() -
     peers.put("t0/outcome/1", records.encode_outcome(outcome(1)))
     assert exchange.exchange("t0", outcome(0), 1.0)[0] == hung
     assert "rank 0 failed: hung" in exchange.hang_reports("t0", [0])
+
+
+@pytest.mark.parametrize(("said", "ending", "code", "signum"), [
+    ({"signal": 9, "code": None}, Ending.SIGNALLED, None, 9),
+    ({"signal": None, "code": 3}, Ending.HARD_EXIT, 3, None),
+    ({"signal": None, "code": -1}, Ending.HARD_EXIT, -1, None),  # an exit status, not a signal
+])  # fmt: skip
+def test_a_rank_that_said_how_it_died_is_read_as_it_said(
+    said: dict[str, Any], ending: Ending, code: int | None, signum: int | None
+) -> None:
+    peers, _, exchange, _ = _parts(world=2)
+    peers.put("died/1", json.dumps({"text": "a fault", **said}))
+    got = exchange.exchange("t0", outcome(0), 1.0)[1]
+    assert (got.ending, got.exit_code, got.signal) == (ending, code, signum)

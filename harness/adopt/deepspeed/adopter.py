@@ -10,7 +10,7 @@ DeepSpeed resolves them. Only the launch changes. The base's ``_launch_with_file
 process pool per world size, a teardown barrier, then a 0.5 s pause) is replaced for the
 session: per world size the test keeps its file-store rendezvous and DeepSpeed's skip rule
 (``device_count()`` below the world size), and every warm rank runs the instance's own
-``_dist_run`` (rank/ranks.py). The harness judges each rank's end: the rank that
+``_dist_run`` (ranks.py beside this). The harness judges each rank's end: the rank that
 failed first is the root cause, a rank's ``sys.exit`` fails the test naming it, a hang is cut
 at the harness's bound with every rank's stack.
 
