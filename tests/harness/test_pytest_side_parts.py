@@ -127,3 +127,31 @@ def test_a_world_outcome_gives_values_only_when_every_rank_returned() -> None:
     broken.expect(rank=1, does=raises(Exception))  # as expected: no error
     with pytest.raises(AssertionError, match=r"expected outcomes not met on rank 0"):
         broken.expect(rank=0, does=raises(Exception), others=raises(Exception))
+
+
+def test_pytests_private_parts_answer_as_the_harness_reads_them(
+    pytestconfig: pytest.Config,
+) -> None:
+    """The one module reading _pytest: each answer in the form its callers expect, so a
+    pytest that moved a part fails here, named, not in a rank."""
+    import ast
+    import warnings
+
+    from harness.common import pytest_internals as internals
+
+    assert (
+        internals.saferepr("x" * 500, maxsize=20).endswith("'")
+        and len(internals.saferepr("x" * 500, maxsize=20)) <= 20
+    )
+    flags = internals.option_flags(pytestconfig)
+    assert flags["--rank-timeout"] == "rank_timeout" and flags["--maxfail"] == "maxfail"
+    assert internals.parse_warning_filter("error::UserWarning", escape=False)[:1] == ("error",)
+    tree = ast.parse("def test_x():\n    assert 1 == 2\n")
+    assert internals.rewrite_asserts(tree, b"", "test_x.py")
+    assert "@py_assert" in ast.unparse(tree)  # pytest's rewritten form
+    assert internals.capture_class("FDCapture").__name__ == "FDCapture"
+    assert hasattr(internals.assertion_util(), "assertrepr_compare")
+    assert internals.junit_xml_key() is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the writer's devnull, left to gc
+        internals.null_terminal_writer().write("nowhere")
