@@ -139,10 +139,8 @@ def test_pytests_private_parts_answer_as_the_harness_reads_them(
 
     from harness.common import pytest_internals as internals
 
-    assert (
-        internals.saferepr("x" * 500, maxsize=20).endswith("'")
-        and len(internals.saferepr("x" * 500, maxsize=20)) <= 20
-    )
+    shown = internals.saferepr("x" * 500, maxsize=20)
+    assert len(shown) <= 20 and "..." in shown
     flags = internals.option_flags(pytestconfig)
     assert flags["--rank-timeout"] == "rank_timeout" and flags["--maxfail"] == "maxfail"
     assert internals.parse_warning_filter("error::UserWarning", escape=False)[:1] == ("error",)
