@@ -249,7 +249,15 @@ def thread_observer(phase: str, kind: str, label: str) -> None:
 
 # Told, before a fault ends this process, what the fault was: a rank torchrun launched has
 # no pool to see how it died, so it leaves word in the launch's store.
-before_fatal: Callable[[str, int | None, int | None], None] | None = None  # text, signal, code
+FatalHook = Callable[[str, int | None, int | None], None]  # text, signal, code
+before_fatal: FatalHook | None = None  # set through call_before_fatal
+
+
+def call_before_fatal(hook: FatalHook | None) -> None:
+    """Call `hook` before a fault ends this process (a launched session tells its peers what
+    it was); None: call nothing."""
+    global before_fatal
+    before_fatal = hook
 
 
 def fault_point(name: str) -> None:

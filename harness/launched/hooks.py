@@ -62,7 +62,7 @@ class LaunchedPlugin:
         launched.connect()
         self.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
         launched.watch.catch_sigterm()
-        faults.before_fatal = launched.note_death
+        faults.call_before_fatal(launched.note_death)
         agreements.agree_on_backend(launched)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:

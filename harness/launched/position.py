@@ -29,6 +29,10 @@ class Position:
         self._own_groups = 0
         return 2 * self.index
 
+    def reach(self, stage: int) -> None:
+        """This rank is at `stage` now (said to the others by the session)."""
+        self.stage = stage
+
     def finishing(self) -> int:
         """The stage past the current test's body and calls: only its verdict is left."""
         return 2 * self.index + 1

@@ -133,10 +133,9 @@ class LaunchedSession:
             ) from None
         self._link = Link(peers, self.rank, self.position, self.fate, self.config)
         self._outcomes = OutcomeExchange(self._link, self.rank, self.fate, self.nodes)
-        peers.position = lambda: self.position.stage
-        peers.name_of = self.position.name_of
         # A peer elsewhere that holds the GIL looks silent: no sooner gone than a test's bound.
-        peers.silent_elsewhere_s = session_timeout(settings_of(self.config))
+        bound_s = session_timeout(settings_of(self.config))
+        peers.follow(lambda: self.position.stage, self.position.name_of, bound_s)
         self.link.put(f"pid/{self.rank}", str(os.getpid()))  # for the report if this rank dies
         self.watch.start_heartbeat(peers)
 
@@ -173,7 +172,7 @@ class LaunchedSession:
         """A test bounded longer than the session's default: a peer elsewhere may be silent
         (its GIL held) that long before it counts as gone."""
         if self._peers is not None:
-            self._peers.silent_elsewhere_s = max(self._peers.silent_elsewhere_s, seconds)
+            self._peers.allow_silence(seconds)
 
     def ended_early(self, text: str, code: int) -> None:
         """This rank's session ends before its tests did (pytest.exit, KeyboardInterrupt):
@@ -191,7 +190,7 @@ class LaunchedSession:
 
     def at(self, stage: int) -> None:
         """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
-        self.position.stage = stage
+        self.position.reach(stage)
         self.link.put(f"at/{self.rank}", str(stage))
 
     def finishing(self) -> None:
@@ -245,7 +244,7 @@ class LaunchedSession:
         this test. False when that is known already (or the session never connected)."""
         if self.stopping or self._peers is None:
             return False
-        self._peers.stopping = True
+        self._peers.note_stopping()
         with contextlib.suppress(Exception):
             self.link.put(f"stopped/{self.rank}", self.position.current or "-")
         return True

@@ -96,6 +96,23 @@ class Peers:
         # bound would end anyway): the longest a test may take, at least SILENT_AFTER_S.
         self.silent_elsewhere_s = SILENT_AFTER_S
 
+    def follow(
+        self, position: Callable[[], int], name_of: Callable[[int], str], silent_s: float
+    ) -> None:
+        """Where this rank is, as a stage and in words (a peer past it has moved on), and how
+        long a peer elsewhere may be silent before it counts as gone (the tests' bound: one
+        holding its GIL looks silent)."""
+        self.position, self.name_of = position, name_of
+        self.allow_silence(silent_s)
+
+    def allow_silence(self, seconds: float) -> None:
+        """A peer elsewhere may be silent `seconds` (a longer test's bound) before it is gone."""
+        self.silent_elsewhere_s = max(self.silent_elsewhere_s, seconds)
+
+    def note_stopping(self) -> None:
+        """The launcher is stopping the job: waits end after a few seconds from here."""
+        self.stopping = True
+
     def freshen(self, nonces: list[bytes]) -> None:
         """Go on under a prefix made from every rank's random word (`nonces`, in rank order,
         this rank's own as it made it): a value recorded from an earlier job with the same

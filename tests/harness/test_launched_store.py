@@ -221,8 +221,7 @@ def test_a_one_second_gather_says_a_peer_moved_on() -> None:
     try:
         ahead, behind = (Peers(_launch(port, r), 30.0, None) for r in (0, 1))
         ahead.put("at/0", "7")
-        behind.position = lambda: 3
-        behind.name_of = lambda at: f"stage {at}"
+        behind.follow(lambda: 3, lambda at: f"stage {at}", 0.0)
         found = behind.gather("t3/teardown", "mine", 1.0, set())
         assert found.absent == {0: "it had moved on to stage 7 (ranks out of step)"}
     finally:
