@@ -208,8 +208,9 @@ def test_a_gather_costs_each_rank_the_same_store_calls_whatever_the_world(world:
 
             mine._answered = counted  # type: ignore[method-assign]
             found = mine.gather("x", f"value {mine.rank}", 30.0, set())
-            assert found.values == [f"value {r}".encode() for r in range(world)]
-            assert found.complete and len(calls) == 3, (mine.rank, len(calls))
+            said = (mine.rank, len(calls), found, mine.lost, mine.refused)  # if it fails, why
+            assert found.values == [f"value {r}".encode() for r in range(world)], said
+            assert found.complete and len(calls) == 3, said
     finally:
         _stop(server)
 
