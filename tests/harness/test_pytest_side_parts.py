@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -153,3 +155,42 @@ def test_pytests_private_parts_answer_as_the_harness_reads_them(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)  # the writer's devnull, left to gc
         internals.null_terminal_writer().write("nowhere")
+
+
+class _FakeCoverage:
+    """The Coverage measuring this process, as measured.py reads it."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(
+            config_file="/p/.coveragerc", source=["pkg"], source_pkgs=[], run_include=None,
+            run_omit=["*/tests/*"], branch=True,
+        )  # fmt: skip
+        self.combined: list[list[str]] = []
+
+    def combine(self, data_paths: list[str], keep: bool) -> None:
+        assert keep is False
+        self.combined.append(data_paths)
+
+
+def test_ranks_measure_as_this_process_and_their_data_is_folded_into_its(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from harness.common.protocol import RANK_DATA_SUFFIX
+    from harness.plan import measured
+
+    monkeypatch.setitem(sys.modules, "coverage", None)  # not measured: neither are the ranks
+    assert measured.setup_for_ranks(tmp_path / "cov") is None
+    cov = _FakeCoverage()
+    fake = SimpleNamespace(Coverage=SimpleNamespace(current=lambda: cov))
+    monkeypatch.setitem(sys.modules, "coverage", fake)
+    setup = measured.setup_for_ranks(tmp_path / "cov")
+    assert setup is not None and (tmp_path / "cov").stat().st_mode & 0o777 == 0o700
+    assert (setup.source, setup.omit, setup.branch) == (("pkg",), ("*/tests/*",), True)
+    assert setup.data_file == str(tmp_path / "cov" / measured.RANK_DATA_FILE)
+    measured.fold_ranks_data(tmp_path / "cov")
+    assert cov.combined == []  # no rank wrote data: nothing to fold
+    ranks_data = tmp_path / "cov" / f"{measured.RANK_DATA_FILE}.{RANK_DATA_SUFFIX}.h.1.0"
+    ranks_data.write_text("")
+    (tmp_path / "cov" / "unrelated").write_text("")
+    measured.fold_ranks_data(tmp_path / "cov")
+    assert cov.combined == [[str(ranks_data)]]
