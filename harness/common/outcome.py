@@ -120,13 +120,13 @@ class RankOutcome:
         """This outcome with a hygiene finding under `check` (after any already there)."""
         earlier = self.leftovers.get(check, "")
         text = f"{earlier}; {finding}" if earlier else finding
-        return replace(self, leftovers=Findings({**self.leftovers, check: text}))
+        return replace(self, leftovers={**self.leftovers, check: text})
 
     def with_findings(
         self, warnings: tuple[RankWarning, ...], leftovers: Mapping[str, str]
     ) -> RankOutcome:
         """What the rank found after its body: the warnings it recorded, what it left."""
-        return replace(self, warnings=warnings, leftovers=Findings(leftovers))
+        return replace(self, warnings=warnings, leftovers=leftovers)
 
     def with_output(self, stdout: str, stderr: str, log: str | None = None) -> RankOutcome:
         """What the rank printed (and logged), as the process reading its streams saw it."""
