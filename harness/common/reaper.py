@@ -143,6 +143,37 @@ def leftovers(root: int) -> dict[int, str]:
     return {pid: line for pid, line in found.items() if not _helper(line, own, pid in direct)}
 
 
+def settled_leftovers(root: int, not_these: set[int], until: float) -> dict[int, str]:
+    """The processes a test left below `root` (less `not_these`), once none of them is on
+    its way out by itself: while one still runs (on a CPU or waiting for one), is exiting,
+    waits on the disk or has a child just ended, this waits, until `until` (monotonic; the
+    test's bound). A child that gave its output and is finishing (an atexit handler, the
+    rest of a pipeline whose first stages nobody waited for) is then gone; one that sleeps
+    (a server waiting for a request) is a leftover at once; one that never stops running
+    is one at the bound. No time decides: a busy machine only makes the wait longer."""
+    pause = 0.001
+    while True:
+        left = {pid: line for pid, line in leftovers(root).items() if pid not in not_these}
+        if not left or time.monotonic() >= until or not any(map(_on_its_way, left)):
+            return left
+        time.sleep(min(pause, max(0.0, until - time.monotonic())))
+        pause = min(pause * 1.5, 0.05)
+
+
+_PF_EXITING = 0x4  # the kernel's flag for a task in its exit
+
+
+def _on_its_way(pid: int) -> bool:
+    """Whether `pid` runs or is runnable (R), waits on the disk (D), is exiting, or has a
+    child just ended (a shell about to be woken to reap it)."""
+    fields = _stat_fields(pid)
+    if len(fields) < 7:
+        return False
+    if fields[0] in ("R", "D") or int(fields[6]) & _PF_EXITING:
+        return True
+    return any(_stat_fields(child)[:1] == ["Z"] for child in _children_reader()(pid))
+
+
 def _helper(line: str, own: str, direct: bool) -> bool:
     """Whether a process is one of `root`'s helpers. A copy of `root` made by os.fork keeps
     its command line (a forkserver's, for a rank), and so do the processes a forkserver the

@@ -105,7 +105,7 @@ def run_body(
     children = body.children_before()
     if spec.bare:
         _end_daemonic_children()
-    left = {pid: line for pid, line in reaper.leftovers(os.getpid()).items() if pid not in children}
+    left = reaper.settled_leftovers(os.getpid(), children, threads_until)
     reaper.kill(list(left))  # whatever the test allows: the next test must not meet them
     raw = [f for serial, f in raw_threads.running().items() if serial not in raw_before]
     seen = replace(before, env=body.env_before(before.env))

@@ -268,3 +268,54 @@ def _pytest_in_a_process(pytester: pytest.Pytester) -> subprocess.CompletedProce
         text=True,
         timeout=300,
     )
+
+
+def test_processes_ending_on_their_own_are_not_leftovers(inner: pytest.Pytester) -> None:
+    """A child that has given its output and is on its way out when the body returns (it
+    still runs: an atexit handler, the rest of a pipeline, DeepSpeed's test base reading
+    /proc/cpuinfo through `cat | grep | sort -u | wc -l` without waiting for the first three)
+    is no leftover: the check waits while such a process still runs (not while one sleeps).
+    One that never stops running is still a leftover, at the test's bound."""
+    inner.makepyfile(
+        """
+        import shlex, subprocess, sys, pytest
+
+        # Prints, closes its stdout (the reader sees the end), then keeps the CPU a while.
+        BUSY_AFTER_OUTPUT = (
+            "import os, time; print('done', flush=True); os.close(1)\\n"
+            "while time.process_time() < 0.5: pass"
+        )
+
+        @pytest.mark.ranks(2)
+        def test_reads_a_child_that_then_ends(rank):
+            child = subprocess.Popen([sys.executable, "-c", BUSY_AFTER_OUTPUT],
+                                     stdout=subprocess.PIPE)
+            assert child.stdout.read() == b"done\\n"
+
+        @pytest.mark.ranks(2)
+        def test_pipelines_like_deepspeeds(rank):
+            for _ in range(20):
+                p1 = subprocess.Popen(shlex.split("cat /proc/cpuinfo"), stdout=subprocess.PIPE)
+                p2 = subprocess.Popen(["grep", "processor"], stdin=p1.stdout,
+                                      stdout=subprocess.PIPE)
+                p1.stdout.close()
+                p3 = subprocess.Popen(shlex.split("sort -u"), stdin=p2.stdout,
+                                      stdout=subprocess.PIPE)
+                p2.stdout.close()
+                p4 = subprocess.Popen(shlex.split("wc -l"), stdin=p3.stdout,
+                                      stdout=subprocess.PIPE)
+                p3.stdout.close()
+                assert int(p4.communicate()[0]) > 0
+
+        @pytest.mark.ranks(2, timeout=6)
+        def test_leaves_a_spinning_child(rank):
+            if rank == 1:
+                subprocess.Popen([sys.executable, "-c", "while True: pass", "spinning"])
+        """
+    )
+    result = inner.runpytest("-p", "harness", "-v")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*hygiene: rank 1 left processes running (the harness killed them): pid *spinning*"]
+    )
+    assert "rank 0 left processes" not in result.stdout.str()
