@@ -25,7 +25,6 @@ import pytest
 from harness.common import faults as fault_points
 from harness.common.faults import Fault, FaultHangEnded, Injector
 from harness.common.outcome import Ending, exit_code
-from harness.simulation import thread_group
 
 WAKE_S = 1.0  # how long thread-ranks woken after a hang get to end
 _NOT_IN_THREADS = ("signal", "hard_exit")
@@ -94,6 +93,8 @@ def _run_world(
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg
+
+    from harness.simulation import thread_group  # imports torch: loaded with the plugin
 
     threaded: Any = multi_threaded_pg  # torch's per-thread c10d world, untyped
     world = thread_group.ThreadWorld()
@@ -164,6 +165,8 @@ def _run_world(
 def _failure(rank: int, exc: BaseException, hung: bool) -> ThreadRank:
     """A thread-rank's failure as its record: collateral when woken by the world's end, or
     when rankwise names another rank as the origin."""
+    from harness.simulation import thread_group
+
     now = time.monotonic()
     if isinstance(exc, SystemExit):
         return ThreadRank(rank, Ending.EXITED, error=exc, exit_code=exit_code(exc), failed_at=now)

@@ -161,6 +161,35 @@ def test_the_pytest_side_loads_no_module_of_the_launch() -> None:
         assert _loaded_after(f"import {module}") == [], module
 
 
+def test_loading_the_plugin_imports_no_torch() -> None:
+    """pytest imports the harness package and every module it lists in pytest_plugins when
+    it loads the plugin: a session of plain tests (and an adopted suite's, whose fork server
+    starts before the conftests so that its torch import overlaps theirs) must not pay
+    torch's import there."""
+    code = (
+        "import importlib, sys, pytest, harness\n"
+        "for name in harness.pytest_plugins: importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout[:300]
+
+
+def test_a_plain_session_imports_no_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import sys
+
+def test_plain():
+    assert "torch" not in sys.modules
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "harness")
+    result.assert_outcomes(passed=1)
+
+
 @pytest.mark.slow
 def test_a_warm_session_never_enters_the_launch(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
