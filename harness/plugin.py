@@ -77,6 +77,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     preload.before_conftests(early_config)
+    warm.start_server_before_conftests(early_config)
 
 
 _sessions: set[pytest.Config] = set()  # the harness's sessions now configured in this process

@@ -6,7 +6,9 @@ private work directory in PRELOAD_DIR while it starts the server; in it:
 
 - ``started``: made when the server, its own imports done, begins with these;
 - ``early``: for a server started before the tests were collected, the names the last
-  session preloaded, imported while pytest collects; then the server waits for ``modules``;
+  session preloaded, imported while pytest collects; then the server waits for ``modules``.
+  A server started before the session's conftests load (an adopted suite's) waits for it:
+  the pytest process writes it as collection starts, once its environment is known;
 - ``modules``: the names to import, one per line (written by the pytest process, in one
   rename, once the tests are collected);
 - ``early.path``, ``modules.path``: the pytest process's sys.path as each list was written,
@@ -21,7 +23,8 @@ private work directory in PRELOAD_DIR while it starts the server; in it:
 - ``done``: written last, in one rename: ``imported N``, ``seconds S``, ``threads T`` (more
   than the server ran before), ``cuda NAME`` if importing NAME initialised CUDA (the
   server is then no use to ranks that need it; the rest is not imported), then
-  ``failed NAME: ERROR`` lines.
+  ``at started|early-handed|early-done|modules-handed|modules-done T`` (time.time()),
+  ``took NAME S`` for the slowest imports, ``failed NAME: ERROR`` lines.
 
 A module that fails here is left to the ranks, which import it as they would have. What the
 imports changed in torch's process-wide settings is put back (rank/state.py), and no
@@ -83,18 +86,24 @@ def _path_from(path: Path) -> Iterator[None]:
         sys.path[:] = saved  # a rank takes its test's sys.path with each task
 
 
+SLOWEST_SHOWN = 10  # the modules whose imports took longest, in ``done``
+
+
 def preload(directory: Path) -> None:
     (directory / "started").touch()
     at = directory / "at"
     threads_before, started = _threads(), time.monotonic()
     imported, failed, cuda, stale = 0, [], "", ""
+    timeline = [f"at started {time.time():.3f}"]  # wall-clock stamps the pytest side places
+    took: dict[str, float] = {}  # seconds per module imported here
     from harness.rank import state  # imported with the worker, before this
 
     early_environ: dict[str, str] = {}
     with _output_to(directory / "output"), state.torch_globals_kept():
         for phase in ("early", "modules"):  # last session's list while pytest collects
-            if phase == "modules" and not _handed_over(directory / phase):
+            if not _handed_over(directory / phase):  # early: written at once, or at collection
                 break
+            timeline.append(f"at {phase}-handed {time.time():.3f}")
             if phase == "modules" and (stale := _stale(directory, early_environ)):
                 break
             with _path_from(directory / f"{phase}.path"), _environ_from(directory, phase):
@@ -103,25 +112,31 @@ def preload(directory: Path) -> None:
                         imported += 1
                         continue  # imported with its parent, a sibling, or earlier
                     at.write_text(name)
+                    began = time.monotonic()
                     try:
                         importlib.import_module(name)
                         imported += 1
                     except (Exception, SystemExit) as exc:
                         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                         failed.append(f"failed {name}: {error}")
+                    took[name] = time.monotonic() - began
                     if _cuda_initialized():
                         cuda = name  # forks of this server could not use CUDA: stop here
                         break
                 if phase == "early":
                     early_environ = dict(os.environ)  # as the early imports left it
+            timeline.append(f"at {phase}-done {time.time():.3f}")
             if cuda:
                 break
+    slowest = sorted(took.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
     lines = [
         f"imported {imported}",
         f"seconds {time.monotonic() - started:.3f}",
         f"threads {max(0, _threads() - threads_before)}",
         *([f"cuda {cuda}"] if cuda else []),
         *([f"stale {stale}"] if stale else []),
+        *timeline,
+        *(f"took {name} {seconds:.3f}" for name, seconds in slowest),
         *failed,
     ]
     written = directory / "done.partial"

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,10 @@ class Preloaded:
     stale: str = ""  # why what a server started early imported was not the tests' (replaced)
     failed: list[str] = field(default_factory=list)
     output: str = ""
+    # When (time.time()) the server was started, had done its own imports ("started"), was
+    # handed each list and had imported it ("early-handed", "early-done", "modules-...").
+    timeline: dict[str, float] = field(default_factory=dict)
+    slowest: list[tuple[str, float]] = field(default_factory=list)  # (module, seconds)
 
 
 @dataclass
@@ -117,6 +121,9 @@ class _Early:
     directory: Path
     pid: int
     handed: bool = False  # whether it has the session's list yet
+    # Started before the session's conftests loaded: the environment it was started with,
+    # until it is given its early list (None once it has one).
+    awaiting_early: dict[str, str] | None = None
 
 
 _waiting: _Early | None = None
@@ -137,6 +144,43 @@ def start_early(workdir: Path, early: Sequence[str]) -> bool:
     return _waiting is not None
 
 
+def start_before_conftests(workdir: Path, environ: Mapping[str, str]) -> bool:
+    """Start the server before the session's conftests load (an adopted suite's session):
+    its own imports (torch, the worker) overlap theirs. It starts in `environ` (this
+    process's, with what the conftests set last time) and waits for its early list, which
+    give_early hands it as collection starts if the conftests left that same environment.
+    False when a server already runs or the server could not import the harness."""
+    global _waiting
+    if _server_pid() is not None or not _harness_importable_there():
+        return False
+    _prepare()
+    directory = _launch(workdir, None, environ)
+    pid = _server_pid()
+    _waiting = None if pid is None else _Early(directory, pid, awaiting_early=dict(environ))
+    return _waiting is not None
+
+
+def started_before_conftests() -> bool:
+    """Whether a server started before the conftests loaded still waits for its early list."""
+    return _waiting is not None and _waiting.awaiting_early is not None
+
+
+def give_early(early: Sequence[str]) -> bool:
+    """Hand a server started before the conftests its early list, as collection starts,
+    with sys.path and the environment as they are now. Where the conftests left another
+    environment than it was started in (a variable a library reads as it is imported), it
+    is ended instead, and False returned: the caller starts one afresh (start_early)."""
+    waiting = _waiting
+    if waiting is None or waiting.awaiting_early is None:
+        return False
+    if _server_pid() != waiting.pid or dict(os.environ) != waiting.awaiting_early:
+        _kill_server()
+        return False
+    _write_early(waiting.directory, early)
+    waiting.awaiting_early = None
+    return True
+
+
 def early_server_waiting() -> bool:
     """Whether a server started early still waits for the session's list."""
     return _waiting is not None and not _waiting.handed
@@ -148,6 +192,9 @@ def hand_over_early(plan: PreloadPlan) -> None:
     multiprocessing's server serves only once its preload is done.)"""
     if _waiting is None or _waiting.handed or _server_pid() != _waiting.pid:
         return
+    if _waiting.awaiting_early is not None:
+        _write_early(_waiting.directory, ())
+        _waiting.awaiting_early = None
     _hand_over(_waiting.directory, plan, started_early=True)
     _waiting.handed = True
 
@@ -174,6 +221,8 @@ def context(
     plan = plan or PreloadPlan((), SERVER_START_S)
     early, _waiting = _waiting, None
     if early is not None and _server_pid() == early.pid:
+        if early.awaiting_early is not None:  # the session never reached its collection
+            _write_early(early.directory, ())
         if not early.handed:
             _hand_over(early.directory, plan, started_early=True)
         found = _preloaded(early.directory, plan)
@@ -275,20 +324,47 @@ def default_start_method_kept() -> Iterator[None]:
             multiprocessing.set_start_method(None, force=True)  # back to unset
 
 
-def _launch(workdir: Path, early: Sequence[str]) -> Path:
+def _launch(
+    workdir: Path, early: Sequence[str] | None, environ: Mapping[str, str] | None = None
+) -> Path:
     """Start the server with a directory of its own for the preload (see
-    rank/forkserver_preload.py), `early` its first list."""
+    rank/forkserver_preload.py), `early` its first list (None: it waits for one, see
+    give_early), in `environ` (by default this process's)."""
     directory = Path(tempfile.mkdtemp(prefix="preload-", dir=workdir))
-    (directory / "early.path").write_text("\n".join(sys.path) + "\n")
-    (directory / "early").write_text("\n".join(early) + "\n")
-    (directory / "early.env").write_text(json.dumps(dict(os.environ)))  # 0700, as modules.env
-    os.environ[PRELOAD_DIR] = str(directory)  # read, then dropped, by the server
-    try:
-        with _output_into(directory / "output"), default_start_method_kept():
-            _server.ensure_running()
-    finally:
-        os.environ.pop(PRELOAD_DIR, None)
+    (directory / "launched").write_text(f"{time.time():.3f}")
+    if early is not None:
+        _write_early(directory, early)
+    started_in = _environment(environ, {PRELOAD_DIR: str(directory)})  # the server drops it
+    with started_in, _output_into(directory / "output"), default_start_method_kept():
+        _server.ensure_running()
     return directory
+
+
+def _write_early(directory: Path, early: Sequence[str]) -> None:
+    """The early list, with sys.path and the environment as they are now; the list last,
+    in one rename the server may be waiting for."""
+    (directory / "early.path").write_text("\n".join(sys.path) + "\n")
+    (directory / "early.env").write_text(json.dumps(dict(os.environ)))  # 0700, as modules.env
+    partial = directory / "early.partial"
+    partial.write_text("\n".join(early) + "\n")
+    partial.rename(directory / "early")
+
+
+@contextlib.contextmanager
+def _environment(environ: Mapping[str, str] | None, extra: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment as `environ` (where given) plus `extra` while the server
+    is started (it inherits it), then as it was. Only at a server's start, which no thread
+    of this process's races (the harness starts it from pytest's main thread)."""
+    saved = dict(os.environ)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager
@@ -370,6 +446,8 @@ def _wait_for(
 
 def _report(directory: Path) -> Preloaded:
     found = Preloaded(output=_read(directory / "output"))
+    with contextlib.suppress(ValueError):
+        found.timeline["launched"] = float(_read(directory / "launched"))
     for line in _read(directory / "done").splitlines():
         key, _, value = line.partition(" ")
         if key == "imported":
@@ -384,6 +462,13 @@ def _report(directory: Path) -> Preloaded:
             found.stale = value
         elif key == "failed":
             found.failed.append(value)
+        elif key in ("at", "took"):
+            name, _, number = value.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                if key == "at":
+                    found.timeline[name] = float(number)
+                else:
+                    found.slowest.append((name, float(number)))
     return found
 
 

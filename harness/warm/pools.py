@@ -107,6 +107,17 @@ class Pools:
         workdir.note_sockets(self._workdir, forkserver.socket_directory())
         return started
 
+    def start_server_before_conftests(self, environ: dict[str, str]) -> bool:
+        """Start the fork server before the conftests load (forkserver.start_before_conftests)."""
+        started = forkserver.start_before_conftests(self._workdir, environ)
+        workdir.note_sockets(self._workdir, forkserver.socket_directory())
+        return started
+
+    def give_early(self, early: list[str]) -> bool:
+        """Hand a server started before the conftests its early list (forkserver.give_early);
+        False where there is none, or its environment was not the session's (ended)."""
+        return forkserver.give_early(early)
+
     def take_preload_output(self) -> str:
         """What the fork server printed preloading the tests' imports; once, then empty."""
         output, self._preload_output = self._preload_output, ""

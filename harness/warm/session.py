@@ -8,6 +8,8 @@ ranks.
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 from collections.abc import Callable, Generator
 from dataclasses import replace
@@ -213,6 +215,26 @@ def early_start_pending(config: pytest.Config) -> bool:
     return not config.stash.get(_early_tried_key, False)
 
 
+_environ_before_conftests_key = pytest.StashKey[dict[str, str]]()
+
+
+def start_server_before_conftests(config: pytest.Config) -> None:
+    """For a session that adopts suites (all its tests run on ranks), start the fork server
+    before the conftests load: its import of torch overlaps theirs (an adopted suite's
+    conftest imports torch, and its test modules the library under test). It starts in the
+    environment the conftests will likely leave; start_server_early checks that they did."""
+    if not preload.before_conftests_wanted(config):
+        return
+    config.stash[_environ_before_conftests_key] = dict(os.environ)
+    # A conftest that fails to import ends pytest before configure: no unconfigure closes
+    # the pools then (closing is idempotent).
+    atexit.register(close_pools, config)
+    try:
+        pools_of(config).start_server_before_conftests(preload.environ_after_conftests(config))
+    except Exception:  # TMPDIR too long, say: started at collection, or by the first pool
+        return
+
+
 def start_server_early(config: pytest.Config, ranks_collected: bool = False) -> None:
     """Start the ranks' fork server while pytest collects, where ranks will likely be
     needed (see preload.start_early_wanted): torch's import overlaps the collection. Tried
@@ -224,9 +246,14 @@ def start_server_early(config: pytest.Config, ranks_collected: bool = False) -> 
     if early is None and not ranks_collected:
         return  # asked again at the first ranks test
     config.stash[_early_tried_key] = True
+    before = config.stash.get(_environ_before_conftests_key, None)
+    if before is not None:
+        preload.record_conftest_environ(config, before)
     if early is None:
         return
     try:
+        if before is not None and pools_of(config).give_early(early):
+            return
         pools_of(config).start_server_early(early)
     except Exception:  # TMPDIR too long, say: the first pool then says so, as it would have
         return

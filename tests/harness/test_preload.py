@@ -371,3 +371,62 @@ def test_only_new_installed_modules_under_their_own_names_are_chosen(tmp_path: o
     }
     found = preload.chosen(frozenset({"sys"}), modules, frozenset({"pytest_plugin_x"}))
     assert found == ["pkg.sub"]
+
+
+# An adopted suite's conftest: sets a variable a library reads at import (DeepSpeed's sets
+# PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION), and says whether the fork server already ran.
+ADOPTED_CONFTEST = (
+    CONFTEST.replace('os.environ["TEST_PYTEST_PID"] = str(os.getpid())', "")
+    + """
+from harness.warm import forkserver
+
+os.environ["SET_BY_CONFTEST"] = os.environ["CONFTEST_VALUE"]
+Path("server-before-conftest").write_text(str(forkserver._server._forkserver_pid or ""))
+"""
+)
+ADOPTED_TESTS = """
+import os, pytest
+import installed_mod
+
+
+@pytest.mark.ranks(2)
+def test_the_ranks_import_with_the_conftests_environment(rank):
+    assert installed_mod.SEEN == os.environ["CONFTEST_VALUE"]
+    assert installed_mod.IMPORTED_IN == os.getppid()  # preloaded, by the server
+    kept = str(os.getppid()) == open("server-before-conftest").read()
+    assert kept == (os.environ["EXPECT_KEPT"] == "1")
+
+
+def test_the_server_started_before_the_conftests():
+    started = bool(open("server-before-conftest").read())
+    assert started == (os.environ["EXPECT_BEFORE"] == "1")
+"""
+
+
+@pytest.mark.parametrize("value_then", ["kept", pytest.param("changed", marks=pytest.mark.slow)])
+def test_an_adopted_sessions_server_starts_before_its_conftests(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value_then: str
+) -> None:
+    """With --rank-adopt the fork server starts before the conftests load (its torch import
+    overlaps theirs), in the environment the last session's conftests left: the ranks still
+    import with the value this session's conftest sets, the same as last time or not (the
+    server is then replaced as collection starts)."""
+    _project(
+        inner,
+        installed="import os\nSEEN = os.environ.get('SET_BY_CONFTEST')\nIMPORTED_IN = os.getpid()\n",
+    )
+    inner.makeconftest(ADOPTED_CONFTEST)
+    inner.makepyfile(test_adopted=ADOPTED_TESTS)
+    run = functools.partial(
+        inner.runpytest_subprocess, "-p", "harness", "--rank-adopt", "torch", timeout=300
+    )
+    monkeypatch.setenv("CONFTEST_VALUE", "first")
+    monkeypatch.setenv("EXPECT_BEFORE", "1")
+    monkeypatch.setenv("EXPECT_KEPT", "0")
+    run().assert_outcomes(passed=2)  # no prediction yet: replaced as collection starts
+    monkeypatch.setenv("CONFTEST_VALUE", "first" if value_then == "kept" else "second")
+    monkeypatch.setenv("EXPECT_KEPT", "1" if value_then == "kept" else "0")
+    run().assert_outcomes(passed=2)
+    monkeypatch.setenv("EXPECT_BEFORE", "0")  # not adopting: started as collection starts
+    monkeypatch.setenv("EXPECT_KEPT", "0")
+    inner.runpytest_subprocess("-p", "harness", timeout=300).assert_outcomes(passed=2)
