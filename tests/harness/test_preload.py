@@ -413,7 +413,8 @@ def test_an_adopted_sessions_server_starts_before_its_conftests(
     server is then replaced as collection starts)."""
     _project(
         inner,
-        installed="import os\nSEEN = os.environ.get('SET_BY_CONFTEST')\nIMPORTED_IN = os.getpid()\n",
+        installed="import os\nSEEN = os.environ.get('SET_BY_CONFTEST')\n"
+        "IMPORTED_IN = os.getpid()\n",
     )
     inner.makeconftest(ADOPTED_CONFTEST)
     inner.makepyfile(test_adopted=ADOPTED_TESTS)
