@@ -197,7 +197,7 @@ def run_session(
         return Session({**empty, **found}, seconds, killed, log.read_text())
 
 
-def _warm_extensions(python: str, tests: Path) -> None:
+def warm_extensions(python: str, tests: Path) -> None:
     """DeepSpeed's JIT ops the selection loads, built once before anything is timed."""
     with tempfile.TemporaryDirectory() as tmp:
         env = _environment(Path(tmp), Path(tmp) / "unused")
@@ -209,7 +209,7 @@ def _warm_extensions(python: str, tests: Path) -> None:
 def selection(python: str, src: Path) -> list[str]:
     tests = src / "tests"
     files = [f for f in SELECTION if (tests / f).exists()]
-    _warm_extensions(python, tests)
+    warm_extensions(python, tests)
     before = run_session(python, tests, [*AS_IS, *NOT_ON_THIS_CPU, *files], SESSION_TIMEOUT_S)
     adopted = [*ADOPTED, *ADOPTED_WARNINGS, *NOT_ON_THIS_CPU, *files]
     after = run_session(python, tests, adopted, SESSION_TIMEOUT_S)

@@ -80,10 +80,17 @@ class Pools:
         self._endings = endings  # what the adopted suites leave outside their ranks, to undo
         self._server_asked = False  # whether a pool has asked for the fork server yet
         self.preloaded: forkserver.Preloaded | None = None
+        # When (time.time()) the first pool was asked for, and had its ranks ready (the fork
+        # server's start and preload waited for included): see session.start_timeline.
+        self.timeline: dict[str, float] = {}
         self._preload_output = ""  # what preloading printed, until a test's report shows it
 
     def _new_pool(self, key: PoolKey) -> Pool:
-        return Pool(key, self._workdir, self._context(key.start_method))
+        asked = time.time()
+        pool = Pool(key, self._workdir, self._context(key.start_method))
+        if "ranks-asked" not in self.timeline:  # the session's first ranks
+            self.timeline.update({"ranks-asked": asked, "ranks-ready": time.time()})
+        return pool
 
     def _context(self, start_method: StartMethod) -> Any:
         """multiprocessing's context for new ranks. The first pool to use the fork server

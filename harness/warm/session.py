@@ -280,6 +280,25 @@ def _preloaded(config: pytest.Config) -> Preloaded | None:
     return None if pools is None else pools.preloaded
 
 
+def start_timeline(config: pytest.Config) -> dict[str, float]:
+    """When (time.time()) the session's fork server was started ("launched"), had done its
+    own imports ("started"), was handed each list and had imported it ("early-handed",
+    "early-done", "modules-handed", "modules-done"), and when its first pool was asked
+    for and had its ranks ready ("ranks-asked", "ranks-ready"); what happened only. Read
+    by benchmarks/adopt_start.py for the breakdown of a session's start."""
+    pools = config.stash.get(_pools_key, None)
+    if pools is None:
+        return {}
+    server = dict(pools.preloaded.timeline) if pools.preloaded is not None else {}
+    return {**server, **pools.timeline}
+
+
+def slowest_preloads(config: pytest.Config) -> list[tuple[str, float]]:
+    """The fork server's slowest imports this session: (module, seconds), slowest first."""
+    done = _preloaded(config)
+    return [] if done is None else list(done.slowest)
+
+
 def preload_failures(config: pytest.Config) -> list[str]:
     """The modules the fork server could not preload this session (by name)."""
     done = _preloaded(config)
