@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import replace
 from pathlib import Path
@@ -218,6 +219,18 @@ def early_start_pending(config: pytest.Config) -> bool:
 _environ_before_conftests_key = pytest.StashKey[dict[str, str]]()
 
 
+# Sessions whose pools started before configure: a conftest that fails to import ends pytest
+# before it, and no unconfigure closes them then (closing is idempotent). Weak: a session
+# run inside another (pytester) is not kept alive until the process exits.
+_closed_at_exit: weakref.WeakSet[pytest.Config] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools_left() -> None:
+    for config in list(_closed_at_exit):
+        close_pools(config)
+
+
 def start_server_before_conftests(config: pytest.Config) -> None:
     """For a session that adopts suites (all its tests run on ranks), start the fork server
     before the conftests load: its import of torch overlaps theirs (an adopted suite's
@@ -226,9 +239,7 @@ def start_server_before_conftests(config: pytest.Config) -> None:
     if not preload.before_conftests_wanted(config):
         return
     config.stash[_environ_before_conftests_key] = dict(os.environ)
-    # A conftest that fails to import ends pytest before configure: no unconfigure closes
-    # the pools then (closing is idempotent).
-    atexit.register(close_pools, config)
+    _closed_at_exit.add(config)
     try:
         pools_of(config).start_server_before_conftests(preload.environ_after_conftests(config))
     except Exception:  # TMPDIR too long, say: started at collection, or by the first pool

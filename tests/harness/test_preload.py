@@ -431,3 +431,18 @@ def test_an_adopted_sessions_server_starts_before_its_conftests(
     monkeypatch.setenv("EXPECT_BEFORE", "0")  # not adopting: started as collection starts
     monkeypatch.setenv("EXPECT_KEPT", "0")
     inner.runpytest_subprocess("-p", "harness", timeout=300).assert_outcomes(passed=2)
+
+
+def test_an_adopted_session_whose_conftest_fails_leaves_no_work_directory(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its server started before the conftests; one that fails to import ends pytest before
+    configure, so no unconfigure closes the pools: they are closed at exit."""
+    tmp = inner.mkdir("tmp")
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    inner.makeconftest("raise ImportError('a conftest that cannot import')\n")
+    inner.makepyfile("def test_never():\n    pass\n")
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-adopt", "torch", timeout=300)
+    assert result.ret != 0
+    assert "a conftest that cannot import" in result.stderr.str() + result.stdout.str()
+    assert [p.name for p in tmp.iterdir() if p.name.startswith(("harness-", "pymp-"))] == []
