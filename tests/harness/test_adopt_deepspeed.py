@@ -256,6 +256,24 @@ def test_a_deepspeed_suite_runs_on_warm_ranks_with_deepspeeds_own_rules(
     assert Path(os.environ["CPUINFO_LOG"]).read_text().split() == [str(os.getpid())]
 
 
+def test_the_cpus_description_is_asked_once_for_every_session_on_this_cpu(
+    ds: pytest.Pytester,
+) -> None:
+    """py-cpuinfo's answer (a second's subprocess, asked as the first op is loaded) is kept
+    in pytest's cache for the next sessions, with what identifies the CPU: one whose
+    cache says another CPU (a cache shared between machines) asks again."""
+    ds.makepyfile(test_op=LOADS_AN_OP)
+    log = Path(os.environ["CPUINFO_LOG"])
+    args = ("-p", "harness", "--rank-adopt", "deepspeed")
+    for asked in (1, 1):  # asked in the first session only
+        ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
+        assert len(log.read_text().split()) == asked
+    kept = next(ds.path.glob(".pytest_cache/v/harness/deepspeed-cpuinfo"))
+    kept.write_text(kept.read_text().replace('"cpu": "', '"cpu": "another'))
+    ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
+    assert len(log.read_text().split()) == 2
+
+
 PRELOADED_EARLY = """
 import os
 from harness.warm import forkserver

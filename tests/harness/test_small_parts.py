@@ -116,3 +116,31 @@ def test_without_pytest_timeout_nothing_is_paused_or_bounded() -> None:
     assert timeout_interop.pytest_timeout_of_fixtures(item) is None
     with timeout_interop.pytest_timeout_paused(item):
         pass
+
+
+CPUINFO = """processor\t: {n}
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 85
+model name\t: Intel(R) Xeon(R)
+flags\t\t: {flags}
+cpu MHz\t\t: {mhz}
+"""
+
+
+def test_a_cpus_fingerprint_follows_what_py_cpuinfo_reads(tmp_path: Any) -> None:
+    """The same CPU (another core, another clock reading) gives the same fingerprint; other
+    flags or another py-cpuinfo give another; no /proc/cpuinfo gives none (nothing kept)."""
+    from harness.adopt.deepspeed import cpu_description
+
+    def print_of(flags: str, mhz: str, cores: int = 2, version: str = "9.0.0") -> str | None:
+        path = tmp_path / f"cpuinfo-{flags}-{mhz}-{cores}"
+        path.write_text("\n".join(CPUINFO.format(n=n, flags=flags, mhz=mhz) for n in range(cores)))
+        return cpu_description.fingerprint(SimpleNamespace(CPUINFO_VERSION_STRING=version), path)
+
+    same = print_of("fpu avx2", "2000.1")
+    assert same is not None
+    assert print_of("fpu avx2", "2400.9", cores=4) == same
+    assert print_of("fpu avx2 avx512f", "2000.1") != same
+    assert print_of("fpu avx2", "2000.1", version="9.1.0") != same
+    assert cpu_description.fingerprint(SimpleNamespace(), tmp_path / "absent") is None

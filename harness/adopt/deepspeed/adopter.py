@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from harness.adopt import core
-from harness.adopt.deepspeed import build_lock, ranks, shm_buffers
+from harness.adopt.deepspeed import build_lock, cpu_description, ranks, shm_buffers
 from harness.common.errors import SpecError
 from harness.common.outcome import RankOutcome
 from harness.plan import packing
@@ -297,7 +297,7 @@ def _build(config: pytest.Config, builder: str) -> tuple[str, str]:
             found = getattr(found, part)
         op = found()
         build_lock.wait_for_build_lock(str(op.name))
-        with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(_session(config)):
+        with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(config):
             loaded = op.load()
     except SpecError:
         raise
@@ -379,7 +379,7 @@ def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
     name = "" if builder is None else str(builder.name)
     if name:
         build_lock.wait_for_build_lock(name)
-    with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(session):  # "built" line
+    with contextlib.redirect_stdout(sys.stderr), _cpu_described_once(config):  # "built" line
         built = build()
     if built is not None:  # None: not compatible here, and the ranks do not build it either
         session.ops_built[name] = _file_of(built)
@@ -387,12 +387,13 @@ def _extensions_built_once(config: pytest.Config, accelerator: Any) -> None:
 
 
 @contextlib.contextmanager
-def _cpu_described_once(session: _Session) -> Iterator[None]:
+def _cpu_described_once(config: pytest.Config) -> Iterator[None]:
     """While the pytest process builds or loads DeepSpeed's ops: py-cpuinfo's get_cpu_info
-    answers from the session's first answer. DeepSpeed's builders ask it twice an op for
+    answers from the first answer this CPU gave. DeepSpeed's builders ask it twice an op for
     their compiler flags, and each ask runs a Python subprocess that times the CPU (about a
-    second, on the first test's path); the CPU does not change within a session. Put back
-    after, for the tests' own calls."""
+    second, on the first test's path); the CPU does not change within a session, nor from
+    one session to the next on the same CPU (pytest's cache keeps the answer, with what
+    identifies the CPU it came from). Put back after, for the tests' own calls."""
     try:
         cpuinfo: Any = importlib.import_module("cpuinfo")
     except ImportError:  # DeepSpeed's builders then ask lscpu, as they would
@@ -402,10 +403,12 @@ def _cpu_described_once(session: _Session) -> Iterator[None]:
     if not callable(asked):
         yield
         return
+    session = _session(config)
 
     def described() -> Any:
         if session.cpu_info is None:
-            session.cpu_info = asked()
+            session.cpu_info = cpu_description.kept(config, cpuinfo) or asked()
+            cpu_description.keep(config, cpuinfo, session.cpu_info)
         return copy.deepcopy(session.cpu_info)  # each caller its own, as py-cpuinfo gives
 
     cpuinfo.get_cpu_info = described
