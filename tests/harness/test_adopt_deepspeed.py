@@ -260,18 +260,25 @@ def test_the_cpus_description_is_asked_once_for_every_session_on_this_cpu(
     ds: pytest.Pytester,
 ) -> None:
     """py-cpuinfo's answer (a second's subprocess, asked as the first op is loaded) is kept
-    in pytest's cache for the next sessions, with what identifies the CPU: one whose
-    cache says another CPU (a cache shared between machines) asks again."""
+    beside torch's builds for the next sessions, a new clone's too, with what identifies
+    the CPU: one that finds another CPU's answer (a folder shared between machines), or one
+    another user could have written, asks again."""
     ds.makepyfile(test_op=LOADS_AN_OP)
     log = Path(os.environ["CPUINFO_LOG"])
     args = ("-p", "harness", "--rank-adopt", "deepspeed")
     for asked in (1, 1):  # asked in the first session only
         ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
         assert len(log.read_text().split()) == asked
-    kept = next(ds.path.glob(".pytest_cache/v/harness/deepspeed-cpuinfo"))
+    shutil.rmtree(ds.path / ".pytest_cache")  # a new clone: still kept
+    ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
+    assert len(log.read_text().split()) == 1
+    kept = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "harness-cpuinfo.json"
     kept.write_text(kept.read_text().replace('"cpu": "', '"cpu": "another'))
     ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
     assert len(log.read_text().split()) == 2
+    kept.chmod(0o666)  # writable by anyone: not believed
+    ds.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=2)
+    assert len(log.read_text().split()) == 3
 
 
 PRELOADED_EARLY = """

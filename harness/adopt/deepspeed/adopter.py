@@ -392,8 +392,9 @@ def _cpu_described_once(config: pytest.Config) -> Iterator[None]:
     answers from the first answer this CPU gave. DeepSpeed's builders ask it twice an op for
     their compiler flags, and each ask runs a Python subprocess that times the CPU (about a
     second, on the first test's path); the CPU does not change within a session, nor from
-    one session to the next on the same CPU (pytest's cache keeps the answer, with what
-    identifies the CPU it came from). Put back after, for the tests' own calls."""
+    one session to the next on the same CPU (kept beside torch's builds, with what
+    identifies the CPU it came from: cpu_description.py). Put back after, for the tests'
+    own calls."""
     try:
         cpuinfo: Any = importlib.import_module("cpuinfo")
     except ImportError:  # DeepSpeed's builders then ask lscpu, as they would
@@ -407,8 +408,10 @@ def _cpu_described_once(config: pytest.Config) -> Iterator[None]:
 
     def described() -> Any:
         if session.cpu_info is None:
-            session.cpu_info = cpu_description.kept(config, cpuinfo) or asked()
-            cpu_description.keep(config, cpuinfo, session.cpu_info)
+            session.cpu_info = cpu_description.kept(cpuinfo)
+            if session.cpu_info is None:
+                session.cpu_info = asked()
+                cpu_description.keep(cpuinfo, session.cpu_info)
         return copy.deepcopy(session.cpu_info)  # each caller its own, as py-cpuinfo gives
 
     cpuinfo.get_cpu_info = described

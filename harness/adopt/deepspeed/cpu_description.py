@@ -1,24 +1,26 @@
-"""py-cpuinfo's description of this CPU, kept from one session to the next in pytest's cache.
+"""py-cpuinfo's description of this CPU, kept from one session to the next beside the ops it
+decides: in torch's extensions folder (TORCH_EXTENSIONS_DIR, else torch's default).
 
 DeepSpeed's op builders ask py-cpuinfo for the CPU's architecture and flags (their compiler
 flags), and each ask runs a Python subprocess that times the CPU: about a second of the
-first test that loads an op, in every session. The answer is kept with a fingerprint of the
-CPU it describes (the machine, py-cpuinfo's version, and the vendor, family, model and flags
-lines of /proc/cpuinfo): a cache shared with another machine (a network home, a CI cache)
-is asked again there. Read as JSON, never unpickled. Imports no torch.
+first test that loads an op, in every session, a new clone's and a new venv's too. The
+answer is kept with a fingerprint of the CPU it describes (the machine, py-cpuinfo's
+version, and the vendor, family, model and flags lines of /proc/cpuinfo): a folder shared
+with another machine (a network home) is asked again there. Read as JSON, never unpickled,
+and only from a file this user owns that no one else may write. Imports no torch until used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-CACHE_KEY = "harness/deepspeed-cpuinfo"
 _IDENTIFYING = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
 
 
@@ -39,25 +41,50 @@ def fingerprint(cpuinfo: Any, proc_cpuinfo: Path = Path("/proc/cpuinfo")) -> str
     return hashlib.sha256(said.encode()).hexdigest()
 
 
-def kept(config: pytest.Config, cpuinfo: Any) -> dict[str, Any] | None:
-    """The answer an earlier session kept for this CPU, or None."""
-    cache = getattr(config, "cache", None)
-    found = cache.get(CACHE_KEY, None) if cache is not None else None
+KEPT_NAME = "harness-cpuinfo.json"
+
+
+def kept_file() -> Path:
+    """Where the answer is kept: torch's extensions folder, where the builds it decides are."""
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if given:
+        return Path(given) / KEPT_NAME
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension.get_default_build_root()) / KEPT_NAME
+
+
+def kept(cpuinfo: Any, path: Path | None = None) -> dict[str, Any] | None:
+    """The answer an earlier session kept for this CPU, or None (none kept, another CPU's,
+    or a file another user could have written)."""
+    path = path or kept_file()
+    try:
+        info = path.stat()
+        found = json.loads(path.read_text()) if _own(info) else None
+    except (OSError, ValueError):
+        return None
     if not isinstance(found, dict) or not isinstance(found.get("info"), dict):
         return None
     mine = fingerprint(cpuinfo)
     return found["info"] if mine is not None and found.get("cpu") == mine else None
 
 
-def keep(config: pytest.Config, cpuinfo: Any, info: Any) -> None:
-    """Keep `info` for the next sessions on this CPU (where it is plain JSON)."""
-    cache = getattr(config, "cache", None)
+def _own(info: os.stat_result) -> bool:
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def keep(cpuinfo: Any, info: Any, path: Path | None = None) -> None:
+    """Keep `info` for the next sessions on this CPU (where it is plain JSON), in one rename."""
+    path = path or kept_file()
     mine = fingerprint(cpuinfo)
-    if cache is None or mine is None or not isinstance(info, dict):
+    if mine is None or not isinstance(info, dict):
         return
     try:
-        json.dumps(info)
-    except (TypeError, ValueError):
+        text = json.dumps({"cpu": mine, "info": info})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=".harness-cpuinfo-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:  # mkstemp's file: 0600, this user's
+            f.write(text)
+        os.replace(partial, path)
+    except (OSError, TypeError, ValueError):
         return
-    if cache.get(CACHE_KEY, None) != {"cpu": mine, "info": info}:
-        cache.set(CACHE_KEY, {"cpu": mine, "info": info})
