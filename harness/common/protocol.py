@@ -56,6 +56,8 @@ CURRENT_TEST = "PYTEST_CURRENT_TEST"
 # The variable naming the fork server's preload directory (in the session's work directory)
 # while the pytest process starts the server (rank/forkserver_preload.py reads it).
 SERVER_DIR = "_HARNESS_PRELOAD_DIR"
+# The pid of the pytest process starting the fork server, read (and dropped) by the server.
+SERVER_PARENT = "_HARNESS_PRELOAD_PARENT"
 # The harness's own tests set this to make rank 1's first N group set-ups fail.
 SIMULATED_SET_UP_FAILURES = "_HARNESS_TEST_SETUP_FAILURES"
 

@@ -60,12 +60,13 @@ def become_subreaper() -> bool:
     return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
-def die_with_parent(on: bool = True) -> None:
+def die_with_parent(on: bool = True, parent: int | None = None) -> None:
     """Have the kernel kill this process when its parent dies (`on`), or no longer. A
-    parent already gone when asked: this process ends now."""
+    parent already gone when asked (this process's parent is no longer `parent`, the pid
+    that started it, where given): this process ends now."""
     if not _ON_LINUX:
         return
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL if on else 0)
     if on and os.getppid() != parent:  # the parent died before prctl took effect

@@ -43,9 +43,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from harness.common import reaper
-from harness.common.protocol import SERVER_DIR
+from harness.common.protocol import SERVER_DIR, SERVER_PARENT
 
 PRELOAD_DIR = SERVER_DIR
+PRELOAD_PARENT = SERVER_PARENT
 
 
 def _threads() -> int:
@@ -212,19 +213,22 @@ HAND_OVER_WAIT_S = 3600.0
 
 def _handed_over(path: Path) -> bool:
     """Wait until the pytest process writes `path` (one rename); False if it ended first."""
-    parent, deadline = os.getppid(), time.monotonic() + HAND_OVER_WAIT_S
+    deadline = time.monotonic() + HAND_OVER_WAIT_S
     while not path.exists():
-        if os.getppid() != parent or time.monotonic() > deadline:
+        if os.getppid() != _STARTED_BY or time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
 
 
 _directory = os.environ.pop(PRELOAD_DIR, None)
+# The pytest process that started the server, as it said (it may be gone by now: killed
+# while the server still imported torch, before this could ask to end with it).
+_STARTED_BY = int(os.environ.pop(PRELOAD_PARENT, "0") or 0) or os.getppid()
 if _directory:
     # While it preloads, the server ends with the pytest process that started it (its own
     # watch on pytest starts only once it serves).
-    reaper.die_with_parent()
+    reaper.die_with_parent(parent=_STARTED_BY)
     try:
         preload(Path(_directory))
     except Exception:  # its directory removed (the session ended first): serve all the same

@@ -33,6 +33,7 @@ from typing import Any
 
 from harness.common import reaper
 from harness.common.protocol import SERVER_DIR as PRELOAD_DIR
+from harness.common.protocol import SERVER_PARENT as PRELOAD_PARENT
 from harness.warm.preload import PreloadPlan
 from harness.warm.start_watch import StartWatch
 
@@ -334,7 +335,8 @@ def _launch(
     (directory / "launched").write_text(f"{time.time():.3f}")
     if early is not None:
         _write_early(directory, early)
-    started_in = _environment(environ, {PRELOAD_DIR: str(directory)})  # the server drops it
+    said = {PRELOAD_DIR: str(directory), PRELOAD_PARENT: str(os.getpid())}  # the server drops
+    started_in = _environment(environ, said)
     with started_in, _output_into(directory / "output"), default_start_method_kept():
         _server.ensure_running()
     return directory

@@ -4,13 +4,17 @@ hangs is reported as what it is."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from harness.warm import preload
+from tests.harness.conftest import wait_until
 
 # A folder the inner session's conftest declares installed (as site-packages are), holding
 # modules that record which process imported them.
@@ -446,3 +450,29 @@ def test_an_adopted_session_whose_conftest_fails_leaves_no_work_directory(
     assert result.ret != 0
     assert "a conftest that cannot import" in result.stderr.str() + result.stdout.str()
     assert [p.name for p in tmp.iterdir() if p.name.startswith(("harness-", "pymp-"))] == []
+
+
+def _servers_of(directory: Path) -> list[int]:
+    """The processes (this user's) started with a preload directory below `directory`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(directory).encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def test_a_server_whose_pytest_was_killed_as_it_started_does_not_outlive_it(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest SIGKILLed before the conftests loaded (CI cancelling a job, the OOM killer):
+    the server started before them, still importing torch, had not yet asked the kernel to
+    end it with its parent; it then waited for its list for an hour, its parent gone."""
+    tmp = inner.mkdir("tmp")
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    inner.makeconftest("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    inner.makepyfile("def test_never():\n    pass\n")
+    result = inner.runpytest_subprocess("-p", "harness", "--rank-adopt", "torch", timeout=300)
+    assert result.ret == -signal.SIGKILL
+    wait_until(lambda: not _servers_of(tmp), 120, "the server to end with its pytest")
