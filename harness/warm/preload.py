@@ -130,8 +130,8 @@ def before_conftests_wanted(config: pytest.Config) -> bool:
     """Whether the fork server starts before the session's conftests load, read from the
     command line and the ini file as they are then: only where the session adopts suites
     (--rank-adopt: it has ranks to start), with the default preload and start method; never
-    under xdist (its controller runs no test), a launch (torchrun starts the ranks), or
-    --collect-only."""
+    in xdist's controller (its workers run the tests), a launch (torchrun starts the ranks),
+    or --collect-only."""
     args = config.known_args_namespace
 
     def value(name: str) -> Any:
@@ -144,8 +144,10 @@ def before_conftests_wanted(config: pytest.Config) -> bool:
         return False
     if value("rank_start_method") not in (None, "", "forkserver"):
         return False
+    # xdist's controller runs no test; its workers (the same arguments, with xdist's
+    # variable set before they load anything) do.
     xdist = getattr(args, "numprocesses", None) or getattr(args, "dist", "no") not in (None, "no")
-    if xdist or os.environ.get("PYTEST_XDIST_WORKER"):
+    if xdist and not os.environ.get("PYTEST_XDIST_WORKER"):
         return False
     try:
         return launch_detect.detect() is None

@@ -476,3 +476,31 @@ def test_a_server_whose_pytest_was_killed_as_it_started_does_not_outlive_it(
     result = inner.runpytest_subprocess("-p", "harness", "--rank-adopt", "torch", timeout=300)
     assert result.ret == -signal.SIGKILL
     wait_until(lambda: not _servers_of(tmp), 120, "the server to end with its pytest")
+
+
+@pytest.mark.parametrize("asked", ["ini", "command line"])
+def test_under_xdist_the_workers_servers_start_before_their_conftests(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, asked: str
+) -> None:
+    """xdist's workers run the adopted tests: each starts its server before its conftests,
+    --rank-adopt given on the command line or in the ini file; the controller, which runs
+    no test, starts none."""
+    _project(inner, installed="import os\nIMPORTED_IN = os.getpid()\n")
+    inner.makeconftest(
+        ADOPTED_CONFTEST.replace('"server-before-conftest"', "WHERE").replace(
+            "from harness.warm import forkserver",
+            "from harness.warm import forkserver\n"
+            "WHERE = 'server-' + os.environ.get('PYTEST_XDIST_WORKER', 'controller')",
+        )
+    )
+    inner.makeini(
+        "[pytest]\nrank_timeout = 30\n" + ("rank_adopt = torch\n" if asked == "ini" else "")
+    )
+    inner.makepyfile("import installed_mod\n\ndef test_plain():\n    pass\n")
+    monkeypatch.setenv("CONFTEST_VALUE", "same")
+    args = ("-p", "harness", "-n", "2", *(("--rank-adopt", "torch") if asked != "ini" else ()))
+    for _ in range(2):  # the second with the first's prediction
+        inner.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=1)
+    assert (inner.path / "server-controller").read_text() == ""
+    for worker in ("gw0", "gw1"):
+        assert (inner.path / f"server-{worker}").read_text() != ""
