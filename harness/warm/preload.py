@@ -130,8 +130,7 @@ def before_conftests_wanted(config: pytest.Config) -> bool:
     """Whether the fork server starts before the session's conftests load, read from the
     command line and the ini file as they are then: only where the session adopts suites
     (--rank-adopt: it has ranks to start), with the default preload and start method; never
-    in xdist's controller (its workers run the tests), a launch (torchrun starts the ranks),
-    or --collect-only."""
+    under xdist, a launch (torchrun starts the ranks), or --collect-only."""
     args = config.known_args_namespace
 
     def value(name: str) -> Any:
@@ -144,10 +143,10 @@ def before_conftests_wanted(config: pytest.Config) -> bool:
         return False
     if value("rank_start_method") not in (None, "", "forkserver"):
         return False
-    # xdist's controller runs no test; its workers (the same arguments, with xdist's
-    # variable set before they load anything) do.
-    xdist = getattr(args, "numprocesses", None) or getattr(args, "dist", "no") not in (None, "no")
-    if xdist and not os.environ.get("PYTEST_XDIST_WORKER"):
+    # xdist's controller runs no test. Its workers, started with the same arguments, are
+    # not told from a controller this early (a pytest run by a worker's test inherits the
+    # worker's variables): they start theirs as collection starts.
+    if getattr(args, "numprocesses", None) or getattr(args, "dist", "no") not in (None, "no"):
         return False
     try:
         return launch_detect.detect() is None

@@ -479,28 +479,27 @@ def test_a_server_whose_pytest_was_killed_as_it_started_does_not_outlive_it(
 
 
 @pytest.mark.parametrize("asked", ["ini", "command line"])
-def test_under_xdist_the_workers_servers_start_before_their_conftests(
+def test_under_xdist_servers_start_as_collection_starts(
     inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, asked: str
 ) -> None:
-    """xdist's workers run the adopted tests: each starts its server before its conftests,
-    --rank-adopt given on the command line or in the ini file; the controller, which runs
-    no test, starts none."""
+    """Under xdist no process starts a server before its conftests: the controller runs no
+    test, and a worker (started with the controller's arguments) cannot tell itself from a
+    controller run by another worker's test that early. Each worker starts its own as
+    collection starts, and the adopted tests run, --rank-adopt given in the ini file or on
+    the command line."""
     _project(inner, installed="import os\nIMPORTED_IN = os.getpid()\n")
     inner.makeconftest(
-        ADOPTED_CONFTEST.replace('"server-before-conftest"', "WHERE").replace(
-            "from harness.warm import forkserver",
-            "from harness.warm import forkserver\n"
-            "WHERE = 'server-' + os.environ.get('PYTEST_XDIST_WORKER', 'controller')",
-        )
+        ADOPTED_CONFTEST.replace('"server-before-conftest"', 'f"server-{os.getpid()}"')
     )
-    inner.makeini(
-        "[pytest]\nrank_timeout = 30\n" + ("rank_adopt = torch\n" if asked == "ini" else "")
+    ini = "[pytest]\nrank_timeout = 30\n" + ("rank_adopt = torch\n" if asked == "ini" else "")
+    inner.makeini(ini)
+    inner.makepyfile(
+        "import os, pytest, installed_mod\n\n@pytest.mark.ranks(2)\ndef test_ranks(rank):\n"
+        "    assert installed_mod.IMPORTED_IN == os.getppid()\n"
     )
-    inner.makepyfile("import installed_mod\n\ndef test_plain():\n    pass\n")
     monkeypatch.setenv("CONFTEST_VALUE", "same")
     args = ("-p", "harness", "-n", "2", *(("--rank-adopt", "torch") if asked != "ini" else ()))
     for _ in range(2):  # the second with the first's prediction
         inner.runpytest_subprocess(*args, timeout=300).assert_outcomes(passed=1)
-    assert (inner.path / "server-controller").read_text() == ""
-    for worker in ("gw0", "gw1"):
-        assert (inner.path / f"server-{worker}").read_text() != ""
+    said = [p.read_text() for p in inner.path.glob("server-*")]
+    assert len(said) == 6 and set(said) == {""}  # a controller and two workers, twice
