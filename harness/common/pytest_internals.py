@@ -149,21 +149,3 @@ def junit_xml_key() -> Any:
     except ImportError:
         return None
     return xml_key
-
-
-def cache_file_before_configure(config: pytest.Config, key: str) -> Path | None:
-    """Where pytest's cache keeps `key`'s value (JSON), read before the cache plugin has
-    configured (config.cache comes only then): its directory as the plugin would find it
-    (cache_dir, from the root). None where the plugin is blocked (-p no:cacheprovider) or
-    --cache-clear is asked (the plugin clears it at configure)."""
-    if config.pluginmanager.is_blocked("cacheprovider"):
-        return None
-    if getattr(config.known_args_namespace, "cacheclear", False):
-        return None
-    from _pytest.cacheprovider import Cache
-
-    try:
-        directory = Cache.cache_dir_from_config(config, _ispytest=True)
-    except Exception:  # no cache_dir to be found: no cached value either
-        return None
-    return Path(directory) / "v" / key

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fnmatch
 import importlib.machinery
 import importlib.util
-import json
 import os
 import re
 import site
@@ -35,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from harness.common import launch_detect, pytest_internals
+from harness.common import launch_detect
 from harness.plan import adopter_needs
 from harness.plan.settings import settings_of
 
@@ -152,50 +151,6 @@ def before_conftests_wanted(config: pytest.Config) -> bool:
         return launch_detect.detect() is None
     except launch_detect.LaunchError:
         return False  # said at configure
-
-
-# pytest's cache: what the last session's conftests changed in the environment as they
-# loaded ({name: value, or null where one removed it}, JSON).
-CONFTEST_ENVIRON_KEY = "harness/conftest-environ"
-# Never taken from the cache for a server's start: what would have a process run other code
-# than its own (a preloaded library, Python's start-up), and the harness's own variables.
-_NOT_PREDICTED = ("LD_", "DYLD_", "PYTHON", "HARNESS_")
-_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def environ_after_conftests(config: pytest.Config) -> dict[str, str]:
-    """This process's environment as its conftests will likely leave it: now, with what the
-    last session's conftests changed (pytest's cache; a library imported before the tests
-    may read a variable a conftest sets). Checked when collection starts (give_early)."""
-    environ = dict(os.environ)
-    path = pytest_internals.cache_file_before_configure(config, CONFTEST_ENVIRON_KEY)
-    try:
-        changes = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        changes = None
-    if not isinstance(changes, dict):
-        return environ
-    for name, value in changes.items():
-        if not isinstance(name, str) or not _VARIABLE.fullmatch(name):
-            continue
-        if name.startswith(_NOT_PREDICTED):
-            continue
-        if value is None:
-            environ.pop(name, None)
-        elif isinstance(value, str) and "\0" not in value:
-            environ[name] = value
-    return environ
-
-
-def record_conftest_environ(config: pytest.Config, before: Mapping[str, str]) -> None:
-    """Keep, for the next session's early server, what this session's conftests changed in
-    the environment (`before`: as it was before they loaded)."""
-    cache = getattr(config, "cache", None)
-    if cache is None:
-        return
-    now = dict(os.environ)
-    changed = {k: now.get(k) for k in before.keys() | now.keys() if before.get(k) != now.get(k)}
-    cache.set(CONFTEST_ENVIRON_KEY, changed)
 
 
 # What a test module's text says when it has ranks tests: read before pytest imports it.

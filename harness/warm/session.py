@@ -24,7 +24,7 @@ from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec, Target, encode_args
 from harness.plan import adopter_needs, hypothesis_search, made_in_ranks, measured, packing
 from harness.seam import skip_without_gpus
-from harness.warm import preload
+from harness.warm import conftest_environ, preload
 
 if TYPE_CHECKING:
     from harness.seam import Cut
@@ -241,7 +241,7 @@ def start_server_before_conftests(config: pytest.Config) -> None:
     config.stash[_environ_before_conftests_key] = dict(os.environ)
     _closed_at_exit.add(config)
     try:
-        pools_of(config).start_server_before_conftests(preload.environ_after_conftests(config))
+        pools_of(config).start_server_before_conftests(conftest_environ.predicted(config))
     except Exception:  # TMPDIR too long, say: started at collection, or by the first pool
         return
 
@@ -259,7 +259,7 @@ def start_server_early(config: pytest.Config, ranks_collected: bool = False) -> 
     config.stash[_early_tried_key] = True
     before = config.stash.get(_environ_before_conftests_key, None)
     if before is not None:
-        preload.record_conftest_environ(config, before)
+        conftest_environ.record(config, before)
     if early is None:
         return
     try:

@@ -144,3 +144,44 @@ def test_a_cpus_fingerprint_follows_what_py_cpuinfo_reads(tmp_path: Any) -> None
     assert print_of("fpu avx2 avx512f", "2000.1") != same
     assert print_of("fpu avx2", "2000.1", version="9.1.0") != same
     assert cpu_description.fingerprint(SimpleNamespace(), tmp_path / "absent") is None
+
+
+def _a_session(root: Any, blocked: bool = False, cacheclear: bool = False) -> Any:
+    return SimpleNamespace(
+        rootpath=root,
+        pluginmanager=SimpleNamespace(is_blocked=lambda name: blocked),
+        known_args_namespace=SimpleNamespace(cacheclear=cacheclear),
+    )
+
+
+def test_what_the_conftests_set_is_kept_privately_for_the_next_sessions_server(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the conftests set (a token, say) is kept in a file of this user's alone, outside
+    the project, and read back only from such a file; never a variable that would have the
+    server run other code; nothing under -p no:cacheprovider or --cache-clear."""
+    import os
+    import stat
+
+    from harness.warm import conftest_environ
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GONE_AFTER", "1")
+    session = _a_session(tmp_path / "project")
+    before = dict(os.environ)
+    monkeypatch.setenv("SET_BY_CONFTEST", "token")
+    monkeypatch.setenv("LD_PRELOAD", "/tmp/evil.so")
+    monkeypatch.delenv("GONE_AFTER")
+    conftest_environ.record(session, before)
+    monkeypatch.setattr(os, "environ", before)  # the next session, before its conftests
+    predicted = conftest_environ.predicted(session)
+    assert predicted["SET_BY_CONFTEST"] == "token" and "GONE_AFTER" not in predicted
+    assert "LD_PRELOAD" not in predicted
+    path = conftest_environ.kept_file(session)
+    assert path is not None and str(tmp_path / "project") not in str(path.parent)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    path.chmod(0o644)  # readable by others: not believed (nor written so by the harness)
+    assert "SET_BY_CONFTEST" not in conftest_environ.predicted(session)
+    assert conftest_environ.kept_file(_a_session(tmp_path, blocked=True)) is None
+    assert conftest_environ.kept_file(_a_session(tmp_path, cacheclear=True)) is None
