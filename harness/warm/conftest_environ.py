@@ -12,17 +12,16 @@ Nothing is kept or read under -p no:cacheprovider or --cache-clear. Imports no t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+
+from harness.common import own_files
 
 # Never taken from the file for a server's start: what would have a process run other code
 # than its own (a preloaded library, Python's start-up), and the harness's own variables.
@@ -56,11 +55,10 @@ def predicted(config: pytest.Config) -> dict[str, str]:
 def _changes(path: Path | None) -> dict[str, str | None]:
     if path is None:
         return {}
+    text = own_files.read_own(path, others_may_read=False)
     try:
-        info = path.stat()
-        private = info.st_uid == os.getuid() and not info.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
-        found = json.loads(path.read_text()) if private else None
-    except (OSError, ValueError):
+        found = json.loads(text) if text is not None else None
+    except ValueError:
         return {}
     if not isinstance(found, dict):
         return {}
@@ -82,9 +80,4 @@ def record(config: pytest.Config, before: Mapping[str, str]) -> None:
         return
     now = dict(os.environ)
     changed = {k: now.get(k) for k in before.keys() | now.keys() if before.get(k) != now.get(k)}
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=".conftest-environ-", dir=path.parent)  # 0600
-        with os.fdopen(fd, "w") as f:
-            json.dump(changed, f)
-        os.replace(partial, path)
+    own_files.write_own(path, json.dumps(changed), folder_mode=0o700)

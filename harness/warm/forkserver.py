@@ -161,11 +161,6 @@ def start_before_conftests(workdir: Path, environ: Mapping[str, str]) -> bool:
     return _waiting is not None
 
 
-def started_before_conftests() -> bool:
-    """Whether a server started before the conftests loaded still waits for its early list."""
-    return _waiting is not None and _waiting.awaiting_early is not None
-
-
 def give_early(early: Sequence[str]) -> bool:
     """Hand a server started before the conftests its early list, as collection starts,
     with sys.path and the environment as they are now. Where the conftests left another
@@ -193,11 +188,17 @@ def hand_over_early(plan: PreloadPlan) -> None:
     multiprocessing's server serves only once its preload is done.)"""
     if _waiting is None or _waiting.handed or _server_pid() != _waiting.pid:
         return
-    if _waiting.awaiting_early is not None:
-        _write_early(_waiting.directory, ())
-        _waiting.awaiting_early = None
-    _hand_over(_waiting.directory, plan, started_early=True)
-    _waiting.handed = True
+    _hand_over_to(_waiting, plan)
+
+
+def _hand_over_to(early: _Early, plan: PreloadPlan) -> None:
+    """The session's list to a server started early; an empty early list first where it
+    still waits for one (its session never reached its collection)."""
+    if early.awaiting_early is not None:
+        _write_early(early.directory, ())
+        early.awaiting_early = None
+    _hand_over(early.directory, plan, started_early=True)
+    early.handed = True
 
 
 def release_early(workdir: Path) -> None:
@@ -222,10 +223,8 @@ def context(
     plan = plan or PreloadPlan((), SERVER_START_S)
     early, _waiting = _waiting, None
     if early is not None and _server_pid() == early.pid:
-        if early.awaiting_early is not None:  # the session never reached its collection
-            _write_early(early.directory, ())
         if not early.handed:
-            _hand_over(early.directory, plan, started_early=True)
+            _hand_over_to(early, plan)
         found = _preloaded(early.directory, plan)
         if not found.stale:
             return ctx, found

@@ -185,3 +185,26 @@ def test_what_the_conftests_set_is_kept_privately_for_the_next_sessions_server(
     assert "SET_BY_CONFTEST" not in conftest_environ.predicted(session)
     assert conftest_environ.kept_file(_a_session(tmp_path, blocked=True)) is None
     assert conftest_environ.kept_file(_a_session(tmp_path, cacheclear=True)) is None
+
+
+def test_own_files_are_written_whole_and_read_only_where_no_one_else_may_change_them(
+    tmp_path: Any,
+) -> None:
+    import stat
+
+    from harness.common import own_files
+
+    path = tmp_path / "kept" / "value.json"
+    assert own_files.write_own(path, "{}", folder_mode=0o700)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["value.json"]  # no partial left
+    assert own_files.read_own(path, others_may_read=False) == "{}"
+    path.chmod(0o644)
+    assert own_files.read_own(path, others_may_read=True) == "{}"
+    assert own_files.read_own(path, others_may_read=False) is None
+    path.chmod(0o622)
+    assert own_files.read_own(path, others_may_read=True) is None
+    assert own_files.read_own(tmp_path / "absent", others_may_read=True) is None
+    (tmp_path / "file").write_text("")
+    assert not own_files.write_own(tmp_path / "file" / "below", "x")  # a file as its folder

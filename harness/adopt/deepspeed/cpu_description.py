@@ -16,10 +16,10 @@ import hashlib
 import json
 import os
 import platform
-import stat
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from harness.common import own_files
 
 _IDENTIFYING = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
 
@@ -57,11 +57,10 @@ def kept_file() -> Path:
 def kept(cpuinfo: Any, path: Path | None = None) -> dict[str, Any] | None:
     """The answer an earlier session kept for this CPU, or None (none kept, another CPU's,
     or a file another user could have written)."""
-    path = path or kept_file()
+    text = own_files.read_own(path or kept_file(), others_may_read=True)
     try:
-        info = path.stat()
-        found = json.loads(path.read_text()) if _own(info) else None
-    except (OSError, ValueError):
+        found = json.loads(text) if text is not None else None
+    except ValueError:
         return None
     if not isinstance(found, dict) or not isinstance(found.get("info"), dict):
         return None
@@ -69,22 +68,13 @@ def kept(cpuinfo: Any, path: Path | None = None) -> dict[str, Any] | None:
     return found["info"] if mine is not None and found.get("cpu") == mine else None
 
 
-def _own(info: os.stat_result) -> bool:
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
 def keep(cpuinfo: Any, info: Any, path: Path | None = None) -> None:
     """Keep `info` for the next sessions on this CPU (where it is plain JSON), in one rename."""
-    path = path or kept_file()
     mine = fingerprint(cpuinfo)
     if mine is None or not isinstance(info, dict):
         return
     try:
         text = json.dumps({"cpu": mine, "info": info})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=".harness-cpuinfo-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:  # mkstemp's file: 0600, this user's
-            f.write(text)
-        os.replace(partial, path)
-    except (OSError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return
+    own_files.write_own(path or kept_file(), text)
