@@ -74,7 +74,7 @@ if _store is not None and "RANK" in os.environ:
     _store.Peers._answered = _counted
     _drop = _store.Peers.drop
 
-    def _counted_drop(self, keys):  # deletes, one operation each, not through _answered
+    def _counted_drop(self, keys):  # deletes, one operation each (the heartbeat thread sends them)
         _operations["now"] += len(keys)
         return _drop(self, keys)
 

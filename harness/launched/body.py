@@ -47,14 +47,17 @@ def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> s
 
 def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -> None:
     """Name this test's store keys and give it its group (none for launch=True)."""
-    item.stash[_key_key] = _start_run(session, item.nodeid, spec, session.position.test_key())
+    key = session.position.test_key()
+    item.stash[_key_key] = _start_run(session, item.nodeid, spec, key, test_start=True)
 
 
-def _start_run(session: LaunchedSession, nodeid: str, spec: RankSpec, key: str) -> str:
+def _start_run(
+    session: LaunchedSession, nodeid: str, spec: RankSpec, key: str, test_start: bool
+) -> str:
     if spec.launch:
         session.group.set_aside()  # the test sets its own up, from torchrun's environment
     elif not (
-        found := session.group.agree(session.link, key, ARRIVE_S, spec.fresh_group)
+        found := session.group.agree(session.link, key, ARRIVE_S, spec.fresh_group, test_start)
     ).has_every_value:
         raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "
@@ -135,7 +138,7 @@ def run_call(
     reason = skip_reason(session, spec, gpu_marked=False)
     if reason is not None:
         pytest.skip(f"run_on_ranks: {reason}")
-    key = _start_run(session, node.nodeid, spec, session.position.call_key())
+    key = _start_run(session, node.nodeid, spec, session.position.call_key(), test_start=False)
     return _run_everywhere(session, key, spec, node, lambda: fn(*args, **kwargs))
 
 

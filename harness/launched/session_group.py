@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.common.errors import HarnessError
 from harness.common.launch_detect import Launch
 from harness.launched.gathered import Gathered
 from harness.launched.link import Link
@@ -33,6 +34,9 @@ class SessionGroup:
         self._backend = backend
         self._timeout_s = GROUP_TIMEOUT_MARGIN_S
         self._group: Any = None  # the session's own default group, to tell it from others
+        # Every rank said, in the last exchange of a test's end, that it holds the group:
+        # the next test's agreement is known without another exchange.
+        self._held_everywhere = False
 
     def bound(self, longest_test_s: float) -> None:
         """The session's groups time out only past the longest test's bound."""
@@ -43,10 +47,23 @@ class SessionGroup:
             return torch.device("cuda", cuda_index(self._launch))
         return torch.device("cpu")
 
-    def agree(self, link: Link, key: str, seconds: float, fresh: bool) -> Gathered:
+    def agree(
+        self, link: Link, key: str, seconds: float, fresh: bool, test_start: bool = True
+    ) -> Gathered:
         """Every rank on the session's live group for run `key`: if any rank lacks it or
         `fresh` is asked, every rank sets a new one up, under this run's keys. Without every
-        rank's value when a rank did not come (then no group is set up)."""
+        rank's value when a rank did not come (then no group is set up). At a test's start
+        (not a run_on_ranks call inside one), known without an exchange where every rank
+        said at the last test's end that it holds the group."""
+        held, self._held_everywhere = self._held_everywhere, False
+        if held and test_start and not fresh:
+            if not self.is_default():  # every other rank goes on without an exchange
+                raise HarnessError(
+                    f"harness error: rank {self._launch.rank} lost the session's process group "
+                    f"between tests (outside any test's fixtures, a hook destroyed it); the "
+                    f"test body never ran: leave the session's group to the harness"
+                )
+            return Gathered([b"0"] * self._launch.world_size)
         need = "1" if fresh or not self.is_default() else "0"
         found = link.gather(f"{key}/group", need, seconds)
         if not found.has_every_value:
@@ -57,6 +74,12 @@ class SessionGroup:
             self._init(store)
         return found
 
+    def held_everywhere(self, every_rank_said: bool) -> None:
+        """Whether every rank said, in the exchange that ends a test, that it holds the
+        session's group (is_default): then, until the group changes here, the next test's
+        agreement needs no exchange of its own (three a test rather than four)."""
+        self._held_everywhere = every_rank_said and self.is_default()
+
     def is_default(self) -> bool:
         """Whether the session's own group is the default one now."""
         return dist.is_initialized() and dist.group.WORLD is self._group
@@ -66,6 +89,7 @@ class SessionGroup:
         return dist.is_initialized()
 
     def _init(self, store: Any) -> None:
+        self._held_everywhere = False
         kwargs: dict[str, Any] = {}
         backend = self._backend
         if backend == "nccl":
@@ -89,6 +113,7 @@ class SessionGroup:
             self.drop()
 
     def drop(self) -> None:
+        self._held_everywhere = False
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

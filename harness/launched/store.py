@@ -15,6 +15,7 @@ its verdicts and its end on what this rank alone knows.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import queue
@@ -91,6 +92,8 @@ class Peers:
         self.position: Callable[[], int] = lambda: 0  # where this rank is (see at/<rank>)
         self.name_of: Callable[[int], str] = str  # that place, in words
         self._tick = threading.Event()  # never set: a bounded pause between polls
+        self._to_drop: list[str] = []  # keys every rank has read, deleted by flush_drops
+        self._drops_lock = threading.Lock()
         self._beats: dict[int, tuple[bytes, float]] = {}  # last heartbeat seen, and when
         # A peer on another machine, silent this long, is gone (or hung, which the test's
         # bound would end anyway): the longest a test may take, at least SILENT_AFTER_S.
@@ -152,9 +155,18 @@ class Peers:
         return value
 
     def drop(self, keys: list[str]) -> None:
+        """Delete these keys soon, off the caller's way: the heartbeat's thread does it
+        (flush_drops), so a test's exchanges do not wait on its last test's deletes."""
+        with self._drops_lock:
+            self._to_drop += keys
+
+    def flush_drops(self) -> None:
+        """Delete the keys dropped since the last flush, each a store call bounded as any."""
+        with self._drops_lock:
+            keys, self._to_drop = self._to_drop, []
         for key in keys:
             with contextlib.suppress(Exception):
-                self.store.delete_key(self._name(key))
+                self._answered(functools.partial(self.store.delete_key, self._name(key)), None)
 
     def _answered(self, operation: Callable[[], _T], undone: _T) -> _T:
         """`operation`'s result; `undone` once the store is lost, or when the operation

@@ -141,7 +141,7 @@ _Fields = dict[str, type | tuple[type, ...]]
 _PLAIN: _Fields = {
     "outcome": str, "text": str, "reason": str, "sections": list, "xfail": (str, type(None)),
 }  # fmt: skip
-_TEARDOWN: _Fields = {"failed": bool, "text": str}
+_TEARDOWN: _Fields = {"failed": bool, "text": str, "group": bool}
 
 
 def _others(launched: LaunchedSession, found: Gathered, key: str) -> list[tuple[int, Any]]:
@@ -178,7 +178,11 @@ def teardown_verdict(
     rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
     if not launched.connected:
         return
-    mine = {"failed": report.failed, "text": report.longreprtext[-4000:] if report.failed else ""}
+    mine = {
+        "failed": report.failed,
+        "text": report.longreprtext[-4000:] if report.failed else "",
+        "group": launched.group.is_default(),  # the next test's group, known where all hold it
+    }
     lost_before = set(launched.fate.lost) | {launched.rank}
     # As for the verdict: a slow peer times itself.
     with timeout_interop.pytest_timeout_paused(item):
@@ -198,9 +202,13 @@ def teardown_verdict(
             hung = launched.outcomes.hang_reports(fixtures_key(launched), sorted(gone))
             report.longrepr = f"not every rank finished this test's teardown: {absent}{hung}"
         return
-    failed = [(r, t["text"]) for r, t in _others(launched, found, key) if t["failed"]]
+    others = _others(launched, found, key)
+    failed = [(r, t["text"]) for r, t in others if t["failed"]]
     if failed or report.failed:  # a fixture's collective may have broken the group
         launched.group.set_aside()  # the next test sets a fresh one up
+    else:
+        held = found.complete and all(t.get("group") is True for _, t in others)
+        launched.group.held_everywhere(held and mine["group"] is True)
     if failed and not report.failed:
         rank, text = failed[0]
         report.outcome = "failed"

@@ -236,6 +236,7 @@ class Watch:
             while not self._session.fate.finished.wait(HEARTBEAT_S):
                 with contextlib.suppress(Exception):
                     peers.beat()
+                    peers.flush_drops()
                 with contextlib.suppress(Exception):
                     self._session.look_for_crashes()
 

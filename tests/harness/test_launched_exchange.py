@@ -148,3 +148,57 @@ def test_a_rank_that_said_how_it_died_is_read_as_it_said(
     peers.put("died/1", json.dumps({"text": "a fault", **said}))
     got = exchange.exchange("t0", outcome(0), 1.0)[1]
     assert (got.ending, got.exit_code, got.signal) == (ending, code, signum)
+
+
+class CountingLink:
+    """A link whose gathers are counted: every rank says it holds the group (no new one)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.gathers: list[str] = []
+
+    def gather(self, name: str, value: str, seconds: float) -> Gathered:
+        self.gathers.append(name)
+        return Gathered([b"0"] * self.world)
+
+
+def _group(held_here: bool) -> tuple[Any, CountingLink]:
+    from harness.launched.session_group import SessionGroup
+
+    launch = Launch(4, 2, 0, 2, "127.0.0.1", 29500, True, "run/0", node=1)
+    group = SessionGroup(launch, "gloo")
+    group.is_default = lambda: held_here  # type: ignore[method-assign]
+    return group, CountingLink(4)
+
+
+def test_a_tests_group_is_agreed_by_an_exchange_unless_every_rank_said_it_holds_it() -> None:
+    group, link = _group(held_here=True)
+    assert group.agree(link, "t0", 1.0, fresh=False).has_every_value  # type: ignore[arg-type]
+    assert link.gathers == ["t0/group"]  # nothing known yet: exchanged
+    group.held_everywhere(True)
+    found = group.agree(link, "t1", 1.0, fresh=False)  # type: ignore[arg-type]
+    assert found.values == [b"0"] * 4 and link.gathers == ["t0/group"]  # known: no exchange
+    group.agree(link, "t2", 1.0, fresh=False)  # type: ignore[arg-type]
+    assert link.gathers == ["t0/group", "t2/group"]  # known once, for the next test only
+
+
+@pytest.mark.parametrize("why", ["a rank lacks it", "fresh asked", "a call in a test", "dropped"])
+def test_the_group_is_exchanged_whenever_a_rank_may_not_hold_it(why: str) -> None:
+    group, link = _group(held_here=True)
+    group.held_everywhere(why != "a rank lacks it")
+    if why == "dropped":
+        group.drop()
+    fresh, start = why == "fresh asked", why != "a call in a test"
+    group.agree(link, "t1", 1.0, fresh=fresh, test_start=start)  # type: ignore[arg-type]
+    assert link.gathers == ["t1/group"]
+
+
+def test_a_rank_that_lost_the_group_after_every_rank_said_it_held_it_fails_naming_itself() -> None:
+    from harness.common.errors import HarnessError
+
+    group, link = _group(held_here=True)
+    group.held_everywhere(True)
+    group.is_default = lambda: False  # type: ignore[method-assign]
+    with pytest.raises(HarnessError, match="rank 2 lost the session's process group"):
+        group.agree(link, "t1", 1.0, fresh=False)  # type: ignore[arg-type]
+    assert link.gathers == []

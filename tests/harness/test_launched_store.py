@@ -227,3 +227,20 @@ def test_a_one_second_gather_says_a_peer_moved_on() -> None:
         assert found.absent == {0: "it had moved on to stage 7 (ranks out of step)"}
     finally:
         _stop(server)
+
+
+def test_dropped_keys_go_with_the_next_flush_not_on_the_callers_way() -> None:
+    """A test's keys, once every rank read them, are deleted by the heartbeat's thread: the
+    drop itself sends nothing, and the flush deletes each (a call bounded as any other)."""
+    server, port = _store_elsewhere()
+    try:
+        peers = Peers(_launch(port, 0), 30.0, SECRET)
+        peers.put("t0/outcome/0", "mine")
+        peers.put("t0/setup/0", "")
+        peers.drop(["t0/outcome/0", "t0/setup/0"])
+        assert peers.has("t0/outcome/0") and peers.has("t0/setup/0")
+        peers.flush_drops()
+        assert not peers.has("t0/outcome/0") and not peers.has("t0/setup/0")
+        peers.flush_drops()  # nothing left: nothing sent
+    finally:
+        _stop(server)
