@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harness.common.report_text import ranks_phrase
-from harness.launched import records
+from harness.launched import records, terminal
 from harness.launched.gathered import Gathered
 from harness.launched.nodes import Nodes
 from harness.launched.session import AGREE_S, LaunchedSession
@@ -108,7 +108,7 @@ def _word(launched: LaunchedSession, rank: int, blob: bytes | None) -> dict[str,
     try:
         word = records.read_json(blob, f"backend/{rank}", _WORD)
     except records.RecordError as exc:
-        launched.say(f"harness: ignored {exc} (not this harness's)")
+        terminal.loud(launched.config, f"harness: ignored {exc} (not this harness's)")
         return {}
     if word["source"] not in ("pytest-randomly", "--rank-seed", "drawn"):
         return {}
@@ -199,12 +199,13 @@ def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     if launched.rank == 0:
         final = _final(launched, found, mine)
         launched.link.put("final", str(final))
-    elif 0 in launched.fate.lost or launched.store_lost:
+    elif 0 in launched.fate.lost or launched.link.peers.lost:
         final = status or int(pytest.ExitCode.TESTS_FAILED)  # rank 0's loss is a failure
     else:
         blob = launched.link.get("final", AGREE_S)
         if blob is None:
-            launched.say(
+            terminal.loud(
+                launched.config,
                 f"harness: rank {launched.rank} could not learn rank 0's exit status (rank 0 "
                 f"did not publish it); it exits with its own ({status})",
             )
@@ -226,7 +227,7 @@ def _final(launched: LaunchedSession, found: Gathered, mine: dict[str, Any]) -> 
         try:
             said = records.read_json(blob, f"status/{r}", {"status": int})
         except records.RecordError as exc:  # not a rank's word: the session did not end well
-            launched.say(f"harness: {exc}; counted as a failed session")
+            terminal.loud(launched.config, f"harness: {exc}; counted as a failed session")
             statuses.append(int(pytest.ExitCode.TESTS_FAILED))
             continue
         statuses.append(said["status"])

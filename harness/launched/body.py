@@ -157,7 +157,7 @@ def _run_everywhere(
         outcome = outcome.noted(GROUP_DESTROYED)
     left = spec.timeout_s - (time.monotonic() - started)
     if key == session.position.test_key():
-        session.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
+        session.link.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
     outcomes = session.outcomes.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
     _after(node, session, outcomes)
     return outcomes
@@ -172,12 +172,12 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
         if o.ending is Ending.HUNG:  # either way the rank is stuck, and cannot be replaced
             why = "it hung waiting on a peer (collateral)" if o.looks_collateral else "it hung"
             session.fate.lose_unless_known(o.rank, why)
-    if 0 in session.fate.lost or session.store_lost:
-        session.speak_for_rank_0()
+    if 0 in session.fate.lost or session.link.peers.lost:
+        session.voice.speak_for_rank_0(session.fate, session.nodes, session.link.peers.lost)
     if any(o.ending is Ending.LOST for o in outcomes):
-        session.tell_node(item.nodeid, failure_text(outcomes) or "")
+        session.voice.tell_node(session.nodes, item.nodeid, failure_text(outcomes) or "")
     reasons = session.fate.lost_reasons()
-    if session.stopping:
+    if session.link.peers.stopping:
         reasons.append("the launcher is stopping the job")
     if reasons:
         session.fate.stop(

@@ -79,7 +79,7 @@ def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
             told["at"] = int(time.time())
         launched.link.put("root-cause", json.dumps(told))
         return told
-    if 0 in launched.fate.lost or launched.store_lost:  # no word of rank 0's: this rank's own
+    if 0 in launched.fate.lost or launched.link.peers.lost:  # no word of rank 0's: this rank's own
         first = launched.fate.first_failure
         if first is None:
             return None

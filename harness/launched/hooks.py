@@ -60,7 +60,7 @@ class LaunchedPlugin:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         launched = self.launched
         launched.connect()
-        self.restore_rendezvous = give_each_set_up_its_keys(launched.own_group_prefix)
+        self.restore_rendezvous = give_each_set_up_its_keys(launched.link.own_group_prefix)
         launched.watch.catch_sigterm()
         faults.call_before_fatal(launched.note_death)
         agreements.agree_on_backend(launched)
@@ -79,8 +79,8 @@ class LaunchedPlugin:
     def pytest_runtest_setup(self, item: pytest.Item) -> Any:
         """Every test starts here on every rank, in the same order: say where this rank is."""
         launched = self.launched
-        launched.begin(item.nodeid)
-        if launched.stopping:
+        launched.link.begin(item.nodeid)
+        if launched.link.peers.stopping:
             launched.fate.stop("the launcher is stopping the job", item.session)
             pytest.skip("not run: the launcher is stopping the job")
         return (yield)
@@ -140,13 +140,15 @@ class LaunchedPlugin:
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
         """A quiet rank's INTERNALERROR still reaches the terminal: rank 0 cannot report it."""
         launched = self.launched
-        if launched.real_writer is not None:
+        if launched.voice.quiet:
             terminal.loud(
                 launched.config, f"harness: INTERNALERROR on rank {launched.rank}:\n{excrepr}"
             )
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        self.launched.summary(terminalreporter)
+        launched = self.launched
+        peers = launched.link.peers if launched.connected else None
+        launched.voice.summary(terminalreporter, launched.fate, peers, launched.position.not_run())
 
 
 @contextlib.contextmanager
@@ -170,7 +172,7 @@ class LaunchedRanks:
     @property
     def reports_output(self) -> bool:
         """Rank 0 reports for every rank (and a rank speaking for a lost rank 0)."""
-        return self.launched.rank == 0 or self.launched.real_writer is None
+        return self.launched.rank == 0 or not self.launched.voice.quiet
 
     def set_up(
         self, item: pytest.Item, spec: RankSpec | None, gpu_marked: bool
@@ -272,7 +274,8 @@ def set_up(
     if reason is not None:
         raise pytest.skip.Exception(reason, _use_item_location=True)
     body.before_set_up(item, launched, spec)
-    launched.allow_silence(spec.timeout_s)  # a test bounded longer than the session's default
+    # A test bounded longer than the session's default: a peer may be silent that long.
+    launched.link.peers.allow_silence(spec.timeout_s)
     try:
         result = yield
     except (KeyboardInterrupt, pytest.exit.Exception) as exc:

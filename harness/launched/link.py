@@ -41,6 +41,28 @@ class Link:
         if key.startswith("t"):
             self._written.setdefault(self._position.index, []).append(key)
 
+    # ---- where this rank is --------------------------------------------------------------
+
+    def begin(self, nodeid: str) -> None:
+        """A test starts here (whether it will run, skip or fail): say so to the others."""
+        self.reach(self._position.begin(nodeid))
+
+    def reach(self, stage: int) -> None:
+        """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
+        self._position.reach(stage)
+        self.put(f"at/{self._rank}", str(stage))
+
+    def finishing(self) -> None:
+        """This rank is past the current test's body and calls: only its verdict is left."""
+        self.reach(self._position.finishing())
+
+    def own_group_prefix(self) -> str:
+        """The store prefix of the next group the current test sets up from torchrun's
+        environment (see rendezvous.py): the test and how many came before."""
+        return f"{self.peers.prefix}/{self._position.own_group_key()}"
+
+    # ---- puts, gets and gathers --------------------------------------------------------
+
     def wait(self, keys: Sequence[str], seconds: float) -> bool:
         """Whether every key is set within `seconds` (a few once the job is stopping)."""
         return all(self.get(key, seconds) is not None for key in keys)

@@ -14,27 +14,26 @@ the session ends there. Imported only in a launched session (it imports torch).
 
 The session is built once and hands out its parts, each a module of its own: where this rank
 is (position.py), which node each rank runs on (nodes.py), what becomes of the session
-(fate.py), the session's process group (session_group.py), and once connected the line to
-the store (link.py) and the outcome exchange (exchange.py). Its own methods are what no part
-owns alone: connecting, saying where this rank is, who speaks, and the session's end.
+(fate.py), the session's process group (session_group.py), who speaks and where (voice.py),
+and once connected the line to the store (link.py, which also says where this rank is) and
+the outcome exchange (exchange.py). Its own methods are what no part owns alone: connecting,
+the ranks' placement, a death or a stop noted, the stop's report, and the session's end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
-from rankwise.testing import write_launcher_error
 
 from harness.common.launch_detect import Launch
 from harness.common.report_text import failure_text
 from harness.launched import terminal
-from harness.launched.blame import blamed_rank, headline
 from harness.launched.crashes import Crashes
 from harness.launched.exchange import OutcomeExchange
 from harness.launched.fate import Fate
@@ -44,12 +43,12 @@ from harness.launched.nodes import Nodes
 from harness.launched.position import Position
 from harness.launched.session_group import SessionGroup
 from harness.launched.store import (
-    QUIET_AFTER_S,
     ForeignStore,
     Peers,
     first_line,
     store_gone,
 )
+from harness.launched.voice import Voice
 from harness.launched.watch import Watch
 from harness.plan.settings import session_timeout, settings_of
 
@@ -86,8 +85,8 @@ def _own_basetemp(config: pytest.Config, rank: int) -> None:
 
 
 class LaunchedSession:
-    """This rank's launched session: its parts (`position`, `nodes`, `fate`, `group`, and
-    once connected `link` and `outcomes`), and what takes more than one of them."""
+    """This rank's launched session: its parts (`position`, `nodes`, `fate`, `group`,
+    `voice`, and once connected `link` and `outcomes`), and what takes more than one."""
 
     def __init__(
         self, config: pytest.Config, launch: Launch, backend: str, quiet_writer: Any = None
@@ -101,7 +100,7 @@ class LaunchedSession:
         self.nodes = Nodes(launch)  # the launcher's numbering until the ranks say theirs
         self.fate = Fate()
         self.watch = Watch(self)  # its hang and launcher-stop paths
-        self.real_writer: Any = quiet_writer  # this quiet rank's terminal writer, to speak with
+        self.voice = Voice(config, launch.rank, quiet_writer)  # who speaks, and where
         self.group = SessionGroup(launch, backend)
         self._link: Link | None = None  # the store's parts, once connected
         self._outcomes: OutcomeExchange | None = None
@@ -156,23 +155,8 @@ class LaunchedSession:
         return self._outcomes
 
     @property
-    def _store(self) -> Peers:
-        """The launch's store, with its waits (the session must be connected)."""
-        return self.link.peers
-
-    @property
     def _peers(self) -> Peers | None:
         return None if self._link is None else self._link.peers
-
-    @property
-    def stopping(self) -> bool:
-        return self._peers is not None and self._peers.stopping
-
-    def allow_silence(self, seconds: float) -> None:
-        """A test bounded longer than the session's default: a peer elsewhere may be silent
-        (its GIL held) that long before it counts as gone."""
-        if self._peers is not None:
-            self._peers.allow_silence(seconds)
 
     def ended_early(self, text: str, code: int) -> None:
         """This rank's session ends before its tests did (pytest.exit, KeyboardInterrupt):
@@ -180,27 +164,7 @@ class LaunchedSession:
         once), and move past every test (a peer waiting for this rank's word stops)."""
         self.link.put(f"exit/{self.rank}", json.dumps({"text": text, "code": code}))
         self.group.drop()
-        self.at(self.position.past_every_test())
-
-    # ---- where every rank is -------------------------------------------------------------
-
-    def begin(self, nodeid: str) -> None:
-        """A test starts here (whether it will run, skip or fail): say so to the others."""
-        self.at(self.position.begin(nodeid))
-
-    def at(self, stage: int) -> None:
-        """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
-        self.position.reach(stage)
-        self.link.put(f"at/{self.rank}", str(stage))
-
-    def finishing(self) -> None:
-        """This rank is past the current test's body and calls: only its verdict is left."""
-        self.at(self.position.finishing())
-
-    def own_group_prefix(self) -> str:
-        """The store prefix of the next group the current test sets up from torchrun's
-        environment (see rendezvous.py): the test and how many came before."""
-        return f"{self._store.prefix}/{self.position.own_group_key()}"
+        self.link.reach(self.position.past_every_test())
 
     # ---- outcomes and the end ------------------------------------------------------------
 
@@ -214,25 +178,22 @@ class LaunchedSession:
                 f"died/{self.rank}", json.dumps({"text": text, "signal": signum, "code": code})
             )
 
-    @property
-    def store_lost(self) -> str:
-        """Why the launch's store stopped answering ("" while it answers)."""
-        return "" if self._peers is None else self._peers.lost
-
     def watch_crashes(self) -> None:
         """From here a fatal signal on this node is named at once (see crashes.py): this
         rank's crash report goes to its file, and its heartbeat looks at the ranks beside it
         (same node, same machine and pid namespace)."""
         node = self.nodes.node_of(self.rank)
-        beside = {r: self._store.pid_here(r) for r in self.nodes.ranks_on(node) if r != self.rank}
-        crashes = Crashes(self._store.prefix, self.rank, {r: p for r, p in beside.items() if p})
+        peers = self.link.peers
+        beside = {r: peers.pid_here(r) for r in self.nodes.ranks_on(node) if r != self.rank}
+        crashes = Crashes(peers.prefix, self.rank, {r: p for r, p in beside.items() if p})
         crashes.watch_own()
         self.crashes = crashes
 
     def look_for_crashes(self) -> None:
         """A heartbeat's look at the ranks beside this one (see crashes.py)."""
         if self.crashes is not None and not self.fate.finished.is_set():
-            self.crashes.look(lambda r, said: self.link.put(f"died/{r}", said), self.say)
+            say = functools.partial(terminal.loud, self.config)
+            self.crashes.look(lambda r, said: self.link.put(f"died/{r}", said), say)
 
     def placed(self, nodes: Nodes) -> None:
         """The ranks said which node each runs on (see agreements.py)."""
@@ -242,35 +203,22 @@ class LaunchedSession:
     def launcher_stopped(self) -> bool:
         """The launcher is stopping the job: waits end soon, and the main thread stops after
         this test. False when that is known already (or the session never connected)."""
-        if self.stopping or self._peers is None:
+        if self._peers is None or self._peers.stopping:
             return False
         self._peers.note_stopping()
         with contextlib.suppress(Exception):
             self.link.put(f"stopped/{self.rank}", self.position.current or "-")
         return True
 
-    def reports(self) -> bool:
-        """Whether this rank prints the session's reports: rank 0, or the rank that speaks
-        for a lost one (see speak_for_rank_0): the lowest with no live rank below it."""
-        if self.real_writer is None:
-            return True
-        if not self.store_lost and self._peers is not None:
-            if self._peers.live_below(self.rank, QUIET_AFTER_S):
-                return False
-            for rank in range(self.rank):
-                self.fate.lose_unless_known(rank, "no sign of life")
-        self.speak_for_rank_0()
-        return self.real_writer is None
-
     def stop_report(self, wait_s: float) -> str:
         """Rank 0's words on a job the launcher stopped: which ranks ended first (they said
         nothing within `wait_s` of being stopped), with what they said as they died."""
         others = [r for r in range(self.world_size) if r != self.rank]
         self.link.wait([f"stopped/{r}" for r in others], wait_s)
-        if self._store.lost:  # no rank's word arrives: say what is known, the lost node
+        if self.link.peers.lost:  # no rank's word arrives: say what is known, the lost node
             none = Gathered([None] * self.world_size)
             outcomes = [self.outcomes.missing(self.position.test_key(), r, none) for r in others]
-            text = failure_text(outcomes) or f"the launch's store is gone ({self._store.lost})"
+            text = failure_text(outcomes) or f"the launch's store is gone ({self.link.peers.lost})"
             head = text.splitlines()[0]
             during = f"during {self.position.current}" if self.position.current else "between tests"
             verdict = f"FAILED {self.position.current} - {head}\n" if self.position.current else ""
@@ -278,81 +226,10 @@ class LaunchedSession:
         gone = {
             r: self.outcomes.died(r).get("text", "")
             for r in others
-            if not self._store.has(f"stopped/{r}")
+            if not self.link.peers.has(f"stopped/{r}")
         }
         return terminal.stop_report(
             self.position.current, self.world_size, gone, dict(self.nodes.said)
-        )
-
-    def say(self, text: str) -> None:
-        """Write to the real terminal, past pytest's capture, whichever rank this is."""
-        terminal.loud(self.config, text)
-
-    def end_early(self, text: str) -> None:
-        """The reporting rank could not finish the session: the others read status 1 as its
-        last word, and torchrun's summary shows `text` (its report) as this rank's error."""
-        self.link.put("final", "1")
-        stamp = int(time.time())
-        write_launcher_error(f"{self.position.current}: {headline(text)}"[:2000], text, stamp)
-
-    def last_words(self, nodeid: str, text: str, hung_at: float) -> None:
-        """This rank ends before the session's end (its timer found it hung at `hung_at`, by
-        the clock): its node's terminal and torchrun's error file say the verdict it knows
-        (`text`, a report), its own failure if the report blames this rank (stamped before
-        any peer could have heard of it), else as collateral of the rank it blames."""
-        line = headline(text)
-        own = blamed_rank(line) in (None, self.rank)
-        said = f"{nodeid}: {line}" if own else f"collateral: {nodeid}: {line}"
-        stamp = int(hung_at) - 1 if own else int(time.time()) + 1
-        write_launcher_error(said[:2000], text if own else said, stamp)
-        with contextlib.suppress(Exception):  # the others' wait for every entry (error_files.py)
-            self.link.put(f"error-file/{self.rank}", "1")
-        self.tell_node(nodeid, text)
-
-    def summary(self, reporter: Any) -> None:
-        """Rank 0's last words on the terminal (a quiet rank says nothing)."""
-        if self.real_writer is not None:
-            return
-        peers = self._peers
-        terminal.summary(
-            reporter,
-            unsigned=peers is not None and peers.secret is None,
-            refused=[] if peers is None else list(peers.refused),
-            peer_collection_errors=self.fate.peer_collection_errors,
-            stop_reason=self.fate.stop_reason,
-            not_run=self.position.not_run(),
-        )
-
-    def speak_for_rank_0(self) -> None:
-        """Rank 0 is gone: the lowest rank left prints the report from here on; with the
-        launch's store gone, the lowest of each node's ranks (no rank hears another now)."""
-        alive = [r for r in range(self.world_size) if r not in self.fate.lost]
-        if self.store_lost:
-            node = self.nodes.node_of(self.rank)
-            alive = self.nodes.ranks_on(node) if node else [self.rank]
-        if self.real_writer is None or not alive or alive[0] != self.rank:
-            return
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter._tw = self.real_writer
-        self.real_writer = None
-        if self.store_lost:
-            why = f"the launch's store stopped answering ({self.store_lost}); no rank hears another"
-            terminal.loud(self.config, f"harness: {why}: rank {self.rank} reports for its node")
-            return
-        why = self.fate.lost.get(0, "no sign of life")
-        terminal.loud(self.config, f"harness: rank 0 is gone ({why}); rank {self.rank} reports")
-
-    def tell_node(self, nodeid: str, text: str) -> None:
-        """Where a node was lost, each node's lowest rank that does not report the test says
-        its verdict in one line on its own node's terminal: every surviving node shows it."""
-        if self.real_writer is None or not self.nodes.leads_node(self.rank) or not text:
-            return
-        node = self.nodes.node_of(self.rank)
-        terminal.loud(
-            self.config,
-            f"FAILED {nodeid} - {text.splitlines()[0]} (rank {self.rank} for {node}; the "
-            f"whole report is the reporting rank's)",
         )
 
     def over(self, status: int) -> None:

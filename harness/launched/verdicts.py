@@ -38,7 +38,7 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
     if not launched.connected:
         return
-    launched.finishing()
+    launched.link.finishing()
     mine = {
         "outcome": report.outcome,
         "text": report.longreprtext[-4000:],
@@ -55,7 +55,7 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
         absent = found.absent_text()
         launched.fate.lose(found.absent)
         if 0 in launched.fate.lost:
-            launched.speak_for_rank_0()  # rank 0 cannot report this test: the lowest rank left does
+            _speak_for_rank_0(launched)  # rank 0 cannot report this test: the lowest left does
         launched.fate.stop(f"ranks out of step at {item.nodeid} ({absent})", item.session)
         if report.outcome != "failed":  # a rank that never finished the test: no pass here
             report.outcome = "failed"
@@ -88,6 +88,10 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
         r: _published(b, f"{key}/{r}") for r, b in enumerate(found.values) if b is not None
     }
     _agree_on_skips(report, published)
+
+
+def _speak_for_rank_0(launched: LaunchedSession) -> None:
+    launched.voice.speak_for_rank_0(launched.fate, launched.nodes, launched.link.peers.lost)
 
 
 def _also_failed(report: pytest.TestReport, failed: list[tuple[int, Any]], shown: int) -> None:
@@ -193,7 +197,7 @@ def teardown_verdict(
         absent = found.absent_text(set(gone))
         launched.fate.lose(gone)
         if 0 in launched.fate.lost:
-            launched.speak_for_rank_0()
+            _speak_for_rank_0(launched)
         launched.fate.stop(
             f"ranks out of step at {item.nodeid}'s teardown ({absent})", item.session
         )

@@ -26,8 +26,11 @@ from harness.common.report_text import failure_text
 from harness.common.stacks import trim_in_process
 from harness.launched.exchange import OutcomeExchange
 from harness.launched.fate import Fate
+from harness.launched.link import Link
+from harness.launched.nodes import Nodes
 from harness.launched.position import Position
 from harness.launched.store import HEARTBEAT_S, main_thread_in_torch_distributed
+from harness.launched.voice import Voice
 
 # How long a stopped or hung rank gives its main thread to finish the session on its own
 # (torchrun allows 30 s between its SIGTERM and its SIGKILL).
@@ -134,16 +137,22 @@ class Watched(Protocol):
 
     rank: int
     fate: Fate  # its `finished` and `final_status`: the exit status, once agreed
-
     position: Position  # where this rank is: the test running now, those not run yet
+    nodes: Nodes  # which node each rank runs on
+    voice: Voice  # who speaks, and where
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def link(self) -> Link:
+        """The line to the launch's store (once connected)."""
+        ...
 
     @property
     def outcomes(self) -> OutcomeExchange:
         """Every rank's outcome of a run: this rank's hang published, its own outcome read."""
         ...
-
-    @property
-    def stopping(self) -> bool: ...
 
     def launcher_stopped(self) -> bool:
         """Note that the launcher is stopping the job; False when it was noted already or
@@ -154,29 +163,8 @@ class Watched(Protocol):
         """Rank 0's words on a job the launcher stopped: which ranks ended first, and why."""
         ...
 
-    def say(self, text: str) -> None:
-        """Write to the real terminal, past pytest's capture."""
-        ...
-
-    def reports(self) -> bool:
-        """Whether this rank prints the session's reports (rank 0, or one speaking for it)."""
-        ...
-
-    def tell_node(self, nodeid: str, text: str) -> None:
-        """Say the verdict's first line on this node's terminal, if this rank leads it."""
-        ...
-
-    def last_words(self, nodeid: str, text: str, hung_at: float) -> None:
-        """This rank ends before the session does: its node and torchrun hear `text`."""
-        ...
-
     def look_for_crashes(self) -> None:
         """Name a rank beside this one that died of a fatal signal (each heartbeat)."""
-        ...
-
-    def end_early(self, text: str) -> None:
-        """The reporting rank's last word when it could not finish the session (`text`, its
-        report): no junit, status 1, torchrun's error file."""
         ...
 
 
@@ -207,9 +195,10 @@ class Watch:
         hung_at = time.time()
         session.outcomes.publish_hang(key, outcome)
         said = self._every_word(key)  # now, while every peer that returned is still here
-        if not session.reports():
+        if not self._reports():
             with contextlib.suppress(Exception):
-                session.last_words(session.position.current, said, hung_at)
+                nodeid = session.position.current or ""
+                session.voice.last_words(session.link, session.nodes, nodeid, said, hung_at)
             os._exit(1)  # frees every peer blocked on this rank; the launcher stops the job
         self._finish_or_report(f"rank {session.rank} hung in {session.position.current}", key)
 
@@ -292,12 +281,13 @@ class Watch:
             return
         if session.fate.final_status is not None:
             os._exit(session.fate.final_status)
-        if session.reports():
+        if self._reports():
             with contextlib.suppress(Exception):
                 self._report(why, hung_key)
         elif hung_key is None:  # each node says what it saw of the job's end
             with contextlib.suppress(Exception):
-                session.tell_node(session.position.current, self._text(hung_key).split("- ", 1)[-1])
+                said = self._text(hung_key).split("- ", 1)[-1]
+                session.voice.tell_node(session.nodes, session.position.current or "", said)
         os._exit(1)
 
     def _text(self, hung_key: str | None) -> str:
@@ -316,15 +306,21 @@ class Watch:
         session = self._session
         rank = session.rank
         text = self._text(hung_key)
-        session.say(text)
+        session.voice.say(text)
         left = [n for n in session.position.not_run() if n != session.position.current]
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
-        session.say(
+        session.voice.say(
             f"harness: the session ended early ({why}; rank {rank} could not finish it, so "
-            f"there is no junit xml). Tests not run ({len(left)}):\n{listed}"
+            f"there is no junit xml). Tests not run ({len(left)}):\n{listed}",
         )
         with contextlib.suppress(Exception):
-            session.end_early(text)
+            session.voice.end_early(session.link, session.position.current, text)
+
+    def _reports(self) -> bool:
+        """Whether this rank prints the session's reports (rank 0, or one speaking for it)."""
+        session = self._session
+        peers = session.link.peers if session.connected else None
+        return session.voice.reports(session.fate, session.nodes, peers)
 
 
 def _stacks() -> str:
