@@ -105,3 +105,30 @@ def test_a_base_is_found_by_name_and_parts_and_parameters_without_self() -> None
     assert core.base_named(Test, "_Base", ("missing",)) is None
     assert core.parameters_of(Test.helper) == ["rank", "world_size"]
     assert core.parameters_of(3) == []
+
+
+def test_the_harness_hook_gathers_every_plugins_adopters_through_pluggy() -> None:
+    """The hook as pytest calls it (pluggy with the harness's spec): each plugin's list, a
+    plugin returning none left out, every adopter registered."""
+    import pluggy
+
+    from harness import hookspecs
+
+    manager = pluggy.PluginManager("pytest")
+    manager.add_hookspecs(hookspecs)
+
+    class Gives:
+        def __init__(self, given: list[Any] | None) -> None:
+            self.given = given
+
+        @pluggy.HookimplMarker("pytest")
+        def pytest_harness_adopters(self, config: Any) -> list[Any] | None:
+            return self.given
+
+    for given in ([_Ours()], None, [_Theirs()]):
+        manager.register(Gives(given))
+    config = _config(frozenset({"theirs"}))
+    config.hook = manager.hook
+    core.register_adopters(config, built_in=[])
+    assert sorted(core.registered(config)) == ["ours", "theirs"]
+    assert [a.name for a in core.asked(config)] == ["theirs"]
