@@ -57,7 +57,9 @@ def _start_run(
     if spec.launch:
         session.group.set_aside()  # the test sets its own up, from torchrun's environment
     elif not (
-        found := session.group.agree(session.link, key, ARRIVE_S, spec.fresh_group, test_start)
+        found := session.group.agree(
+            session.link, key, ARRIVE_S, spec.fresh_group, test_start=test_start
+        )
     ).has_every_value:
         raise HarnessError(
             f"harness error: not every launched rank reached the set-up of {nodeid} "

@@ -48,7 +48,7 @@ class SessionGroup:
         return torch.device("cpu")
 
     def agree(
-        self, link: Link, key: str, seconds: float, fresh: bool, test_start: bool = True
+        self, link: Link, key: str, seconds: float, fresh: bool, *, test_start: bool
     ) -> Gathered:
         """Every rank on the session's live group for run `key`: if any rank lacks it or
         `fresh` is asked, every rank sets a new one up, under this run's keys. Without every
@@ -75,10 +75,10 @@ class SessionGroup:
         return found
 
     def held_everywhere(self, every_rank_said: bool) -> None:
-        """Whether every rank said, in the exchange that ends a test, that it holds the
-        session's group (is_default): then, until the group changes here, the next test's
-        agreement needs no exchange of its own (three a test rather than four)."""
-        self._held_everywhere = every_rank_said and self.is_default()
+        """Whether every rank, this one included, said in the exchange that ends a test that
+        it holds the session's group (is_default): then, until the group changes here, the
+        next test's agreement needs no exchange of its own (three a test rather than four)."""
+        self._held_everywhere = every_rank_said
 
     def is_default(self) -> bool:
         """Whether the session's own group is the default one now."""

@@ -311,7 +311,7 @@ class Watch:
         listed = "\n".join(f"  {n}" for n in left) or "  (none)"
         session.voice.say(
             f"harness: the session ended early ({why}; rank {rank} could not finish it, so "
-            f"there is no junit xml). Tests not run ({len(left)}):\n{listed}",
+            f"there is no junit xml). Tests not run ({len(left)}):\n{listed}"
         )
         with contextlib.suppress(Exception):
             session.voice.end_early(session.link, session.position.current, text)

@@ -173,12 +173,12 @@ def _group(held_here: bool) -> tuple[Any, CountingLink]:
 
 def test_a_tests_group_is_agreed_by_an_exchange_unless_every_rank_said_it_holds_it() -> None:
     group, link = _group(held_here=True)
-    assert group.agree(link, "t0", 1.0, fresh=False).has_every_value  # type: ignore[arg-type]
+    assert group.agree(link, "t0", 1.0, fresh=False, test_start=True).has_every_value  # type: ignore[arg-type]
     assert link.gathers == ["t0/group"]  # nothing known yet: exchanged
     group.held_everywhere(True)
-    found = group.agree(link, "t1", 1.0, fresh=False)  # type: ignore[arg-type]
+    found = group.agree(link, "t1", 1.0, fresh=False, test_start=True)  # type: ignore[arg-type]
     assert found.values == [b"0"] * 4 and link.gathers == ["t0/group"]  # known: no exchange
-    group.agree(link, "t2", 1.0, fresh=False)  # type: ignore[arg-type]
+    group.agree(link, "t2", 1.0, fresh=False, test_start=True)  # type: ignore[arg-type]
     assert link.gathers == ["t0/group", "t2/group"]  # known once, for the next test only
 
 
@@ -200,5 +200,5 @@ def test_a_rank_that_lost_the_group_after_every_rank_said_it_held_it_fails_namin
     group.held_everywhere(True)
     group.is_default = lambda: False  # type: ignore[method-assign]
     with pytest.raises(HarnessError, match="rank 2 lost the session's process group"):
-        group.agree(link, "t1", 1.0, fresh=False)  # type: ignore[arg-type]
+        group.agree(link, "t1", 1.0, fresh=False, test_start=True)  # type: ignore[arg-type]
     assert link.gathers == []

@@ -57,7 +57,7 @@ def _teardown(
     group = FakeGroup(held_here)
     launched: Any = SimpleNamespace(
         connected=True, rank=0, fate=Fate(), position=position, group=group,
-        link=FakeLink(theirs, 1 + len(theirs)), speak_for_rank_0=lambda: None,
+        link=FakeLink(theirs, 1 + len(theirs)),
     )  # fmt: skip
     config = SimpleNamespace(pluginmanager=SimpleNamespace(hook=None, get_plugin=lambda _: None))
     item: Any = SimpleNamespace(nodeid="t.py::test_0", config=config, session=None)
