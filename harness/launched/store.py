@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from harness.common import reaper, signing
 from harness.common.launch_detect import Launch
+from harness.launched import quiet_cpp
 from harness.launched.gathered import Gathered
 
 _T = TypeVar("_T")
@@ -416,7 +417,8 @@ def _claim(base: Any, launch: Launch, job: str) -> None:
 class StoreCalls:
     """Store operations run one at a time on a thread of their own, each waited for at most
     a bound: one that blocks (a cut link) is left behind there, and its caller goes on. torch's
-    client releases the GIL while it waits on its socket, so the caller's wait is its own."""
+    client releases the GIL while it waits on its socket, so the caller's wait is its own.
+    torch's C++ warning for a failed call is held back (quiet_cpp): the caller gets the error."""
 
     def __init__(self) -> None:
         self._todo: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]] = (
@@ -432,6 +434,7 @@ class StoreCalls:
             box: list[Any] = []
             self._todo.put((operation, done, box))
             if not done.wait(bound_s):
+                quiet_cpp.release()  # the call left behind holds back no one's warnings
                 return False, None
             return True, box[0]
 
@@ -439,7 +442,8 @@ class StoreCalls:
         while True:
             operation, done, box = self._todo.get()
             try:
-                box.append(operation())
+                with quiet_cpp.quiet():  # a failure is raised to the caller, not logged
+                    box.append(operation())
             except BaseException as exc:  # handed to the caller, who decides
                 box.append(exc)
             done.set()
