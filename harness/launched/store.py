@@ -6,10 +6,10 @@ has moved past the test being exchanged (it will never publish); otherwise it wa
 bound, and a few seconds at most once the launcher is stopping the job.
 
 The store itself can go: its node lost, or cut off. An operation that fails for that (the
-connection closed or reset, or no answer within STORE_ANSWER_S) marks the store `lost` with
-torch's first line; from then on nothing waits on it: a write is dropped, a read finds
-nothing, and a gather finds every other rank absent for that reason, so the session reaches
-its verdicts and its end on what this rank alone knows.
+connection closed or reset, or no answer within STORE_ANSWER_S: see store_calls.py) marks
+the store `lost` with torch's first line; from then on nothing waits on it: a write is
+dropped, a read finds nothing, and a gather finds every other rank absent for that reason,
+so the session reaches its verdicts and its end on what this rank alone knows.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import queue
 import secrets
 import socket
 import sys
@@ -32,8 +31,9 @@ import torch.distributed as dist
 
 from harness.common import reaper, signing
 from harness.common.launch_detect import Launch
-from harness.launched import quiet_cpp
+from harness.launched import store_calls
 from harness.launched.gathered import Gathered
+from harness.launched.store_calls import StoreCalls
 
 _T = TypeVar("_T")
 
@@ -43,7 +43,7 @@ QUIET_AFTER_S = 2.5 * HEARTBEAT_S  # unchanged this long when a wait ends: gone,
 STOPPING_WAIT_S = 3.0  # the longest wait once the launcher is stopping the job
 # How long one store operation may go unanswered before the store counts as lost. Through a
 # cut link no error arrives until TCP gives up (about 15 minutes), and torch's client timeout
-# does not bound a blocked operation: each runs on a thread of its own, waited for this long.
+# does not bound a blocked operation: store_calls.py cuts the connection under one this late.
 # A safety net: the store answers in microseconds, even under load.
 STORE_ANSWER_S = 30.0
 _FIRST_POLL_S = 0.0005  # ranks usually arrive together: poll fast first, then slow down
@@ -63,6 +63,7 @@ class Peers:
         hosts = launch.rank == 0 and not launch.agent_store  # srun, mpirun: rank 0 hosts it
         if not hosts:
             _await_listening(launch.master_addr, launch.master_port, timeout_s)
+        sockets = store_calls.socket_descriptors()
         base = dist.TCPStore(  # type: ignore[attr-defined]
             launch.master_addr,
             launch.master_port,
@@ -72,6 +73,8 @@ class Peers:
             timeout=timedelta(seconds=timeout_s),
             multi_tenant=hosts,  # a test's env:// group on rank 0 reuses it, as torchrun's
         )
+        new = store_calls.socket_descriptors() - sockets
+        self._calls = StoreCalls(store_calls.connection_to(launch.master_port, new))
         # A restart after a membership change keeps TORCHELASTIC_RESTART_COUNT: count the
         # arrivals instead, so a new attempt never reads the last one's keys.
         # With a secret every key's name carries a tag only its holders can compute.
@@ -85,7 +88,6 @@ class Peers:
         self.store: Any = dist.PrefixStore(self.prefix, base)  # type: ignore[attr-defined]
         self.lost = ""  # why the launch's store stopped answering, once it did
         self.lost_at = 0.0  # when (time.monotonic())
-        self._calls = StoreCalls()
         self.nonce = secrets.token_hex(16)  # this rank's part of the job's own prefix
         self.refused: list[str] = []  # keys whose value failed the signature check
         self.rank, self.world_size = launch.rank, launch.world_size
@@ -412,41 +414,6 @@ def _claim(base: Any, launch: Launch, job: str) -> None:
             f"a node they share. This job stops before its tests and the other goes on; give "
             f"each job its own port (docs/clusters.md derives it from SLURM_JOB_ID)"
         )
-
-
-class StoreCalls:
-    """Store operations run one at a time on a thread of their own, each waited for at most
-    a bound: one that blocks (a cut link) is left behind there, and its caller goes on. torch's
-    client releases the GIL while it waits on its socket, so the caller's wait is its own.
-    torch's C++ warning for a failed call is held back (quiet_cpp): the caller gets the error."""
-
-    def __init__(self) -> None:
-        self._todo: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]] = (
-            queue.SimpleQueue()
-        )
-        self._one_caller = threading.Lock()
-        threading.Thread(target=self._serve, name="harness-store", daemon=True).start()
-
-    def run(self, operation: Callable[[], Any], bound_s: float) -> tuple[bool, Any]:
-        """(answered within `bound_s`, the result or the exception it raised)."""
-        with self._one_caller:
-            done = threading.Event()
-            box: list[Any] = []
-            self._todo.put((operation, done, box))
-            if not done.wait(bound_s):
-                quiet_cpp.release()  # the call left behind holds back no one's warnings
-                return False, None
-            return True, box[0]
-
-    def _serve(self) -> None:
-        while True:
-            operation, done, box = self._todo.get()
-            try:
-                with quiet_cpp.quiet():  # a failure is raised to the caller, not logged
-                    box.append(operation())
-            except BaseException as exc:  # handed to the caller, who decides
-                box.append(exc)
-            done.set()
 
 
 def store_is_here(launch: Launch) -> bool:

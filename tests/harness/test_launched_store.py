@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from harness.common import loopback
 from harness.common.launch_detect import Launch
 from harness.launched import store as store_module
-from harness.launched.store import Peers, StoreCalls
+from harness.launched import store_calls
+from harness.launched.store import Peers
+from harness.launched.store_calls import StoreCalls
 
 SECRET = b"a-secret-of-this-user-32-bytes!!"
 
@@ -154,18 +159,25 @@ def test_a_store_that_goes_away_is_lost_and_nothing_waits_on_it(
     assert "[c10d]" not in said and "frame #" not in said, said
 
 
+@pytest.mark.parametrize("mode", ["connection cut", "call left behind"])
 def test_a_store_that_stops_answering_is_lost_after_the_bound(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], mode: str
 ) -> None:
     """Through a cut link no error comes: torch's call blocks until TCP gives up (about 15
-    minutes), its own timeout notwithstanding. Each call is waited for on a thread of its
-    own; one unanswered for STORE_ANSWER_S (1 s here, 30 s by default) marks the store lost."""
+    minutes), its own timeout notwithstanding. A call unanswered for STORE_ANSWER_S (1 s
+    here, 30 s by default) marks the store lost: the client's connection is cut under it (the
+    call fails at once), or, where that connection cannot be found, the call runs on a thread
+    of its own and is left behind there. A cut prints nothing."""
     monkeypatch.setattr(store_module, "STORE_ANSWER_S", 1.0)
+    if mode == "call left behind":
+        monkeypatch.setattr(store_calls, "connection_to", lambda port, among: None)
     server, port = _store_elsewhere()
     try:
         peers = Peers(_launch(port, 1), 30.0, None)
+        assert (peers._calls._handed is None) == (mode == "connection cut")
         peers.put("at/1", "0")
         os.kill(server.pid, signal.SIGSTOP)  # the store's node no longer answers
+        _await_stopped(server.pid)
         started = time.monotonic()
         assert not peers.has("at/1")
         assert time.monotonic() - started < 10.0
@@ -174,20 +186,71 @@ def test_a_store_that_stops_answering_is_lost_after_the_bound(
         assert time.monotonic() - started < 10.0
     finally:
         _stop(server)
-    # The call left behind fails once the store's process is gone, and torch logs that with
-    # C++ frames: let it end inside this test (whose output pytest captures), not in a later
-    # moment whose output goes to the terminal. Calls run one at a time, so this one waits.
+    # A call left behind fails once the store's process is gone: let it end inside this test
+    # (calls handed to a thread run one at a time, so this one waits for it).
     assert peers._calls.run(lambda: None, 30.0) == (True, None)
+    said = capfd.readouterr().err  # (one left behind is no longer held back as it fails)
+    if mode == "connection cut":
+        assert "[c10d]" not in said and "frame #" not in said, said
 
 
-def test_store_calls_are_bounded_and_keep_their_errors() -> None:
-    calls = StoreCalls()
+def _await_stopped(pid: int) -> None:
+    """Until every thread of `pid` is stopped (a signal is delivered as each runs next)."""
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        if all(_state(task / "stat") in "tT" for task in tasks):
+            return
+        time.sleep(0.01)  # a poll of the state, not a wait in its place
+    raise AssertionError(f"process {pid} did not stop within 30 s")
+
+
+def _state(stat: Path) -> str:
+    """A thread's state letter, from its /proc stat line (after the command's parenthesis)."""
+    fields = stat.read_text().rpartition(")")[2].split()
+    return fields[0] if fields else "?"
+
+
+def test_calls_on_a_connection_are_bounded_by_cutting_it_and_keep_their_errors() -> None:
+    """A call blocked reading the connection (a frozen store) ends when the watchdog shuts
+    the connection down at its bound; calls before it are answered as they ended."""
+    mine, theirs = socket.socketpair()
+    try:
+        calls = StoreCalls(mine.fileno())
+        assert calls.run(lambda: 7, 5.0) == (True, 7)
+        answered, error = calls.run(lambda: int("x"), 5.0)
+        assert answered and isinstance(error, ValueError)
+        started = time.monotonic()
+        assert calls.run(lambda: mine.recv(1), 0.2) == (False, None)
+        assert time.monotonic() - started < 5.0
+        assert mine.recv(1) == b""  # cut: every later call fails at once
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_calls_handed_to_a_thread_are_bounded_and_keep_their_errors() -> None:
+    calls = StoreCalls(None)
     assert calls.run(lambda: 7, 5.0) == (True, 7)
     answered, error = calls.run(lambda: int("x"), 5.0)
     assert answered and isinstance(error, ValueError)
     blocked = threading.Event()
     assert calls.run(lambda: blocked.wait(60), 0.2) == (False, None)
     blocked.set()
+
+
+def test_the_clients_connection_is_the_one_reaching_the_stores_port() -> None:
+    """Found among the sockets the client opened: the one whose peer is the store's port;
+    none where no socket, or more than one, is."""
+    server = loopback.store()
+    before = store_calls.socket_descriptors()
+    client = dist.TCPStore(loopback.HOST, server.port, None, False)  # type: ignore[attr-defined]
+    new = store_calls.socket_descriptors() - before
+    found = store_calls.connection_to(server.port, new)
+    assert found is not None and found in new
+    assert store_calls.connection_to(server.port, set()) is None
+    assert store_calls.connection_to(server.port + 1, new) is None
+    client.set("k", "v")  # still in use: only looked at
 
 
 @pytest.mark.parametrize("world", [2, 8])
@@ -203,6 +266,8 @@ def test_a_gather_costs_each_rank_the_same_store_calls_whatever_the_world(world:
         ]
         for mine in peers:
             mine.put(f"x/{mine.rank}", f"value {mine.rank}")
+        for mine in peers:  # a write is not answered: a read on its connection follows it
+            assert mine.has(f"x/{mine.rank}")
         for mine in peers:
             calls: list[int] = []
             answered = mine._answered
