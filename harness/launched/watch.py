@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.report_text import failure_text
 from harness.common.stacks import trim_in_process
+from harness.launched.deadlines import Deadlines
 from harness.launched.exchange import OutcomeExchange
 from harness.launched.fate import Fate
 from harness.launched.link import Link
@@ -91,14 +92,21 @@ class _Timer:
         raise NotImplementedError
 
 
-class HangTimer(_Timer):
-    """Fires at a test's deadline on this rank and hands the hang to the session's Watch."""
-
-    name = "harness-hang-timer"
+class HangTimer:
+    """Fires at a test's deadline on this rank and hands the hang to the session's Watch (the
+    Watch's one deadline thread keeps every test's: no thread started per test)."""
 
     def __init__(self, watch: Watch, key: str, timeout_s: float, where: Where) -> None:
-        super().__init__(watch, key, timeout_s)
-        self._where = where
+        self._watch, self._key, self._timeout_s, self._where = watch, key, timeout_s, where
+        self._token: int | None = None
+
+    def __enter__(self) -> HangTimer:
+        self._token = self._watch.deadlines.add(self._timeout_s, self.expired, "harness-hang-timer")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            self._watch.deadlines.withdraw(self._token)
 
     def expired(self) -> None:
         self._watch.hung(self._key, self._timeout_s, " > ".join(self._where.stack))
@@ -173,6 +181,7 @@ class Watch:
 
     def __init__(self, session: Watched) -> None:
         self._session = session
+        self.deadlines = Deadlines()  # every test's bound, on one thread
         self._once = threading.Lock()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
