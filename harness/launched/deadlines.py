@@ -2,7 +2,8 @@
 
 A thread started for each test's bound cost the test a thread's start (its caller waits for
 the new thread to run: on a busy machine, a wait for a core). Here a block registers its
-deadline as it starts and withdraws it as it ends; one thread sleeps until the earliest. A
+deadline as it starts and withdraws it as it ends; one thread sleeps until the earliest (or
+10 s, with nothing due), and is woken only for a deadline earlier than that. A
 deadline that passes is handed to its callback on a thread of its own, started then (rare):
 a callback that blocks does not hold back the others.
 """
@@ -14,6 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
+# With nothing due, the thread still wakes this often: a test's deadline later than that is
+# added without waking it (nearly every test's: bounds are a minute or more).
+_IDLE_WAKE_S = 10.0
+
 
 class Deadlines:
     """Deadlines with a callback each; a withdrawn one never fires."""
@@ -24,6 +29,7 @@ class Deadlines:
         self._ids = itertools.count()
         self._name = thread_name
         self._thread: threading.Thread | None = None
+        self._wakes_at = 0.0  # when the thread wakes next (time.monotonic())
 
     def add(self, seconds: float, expired: Callable[[], None], name: str) -> int:
         """Call `expired` (on a thread named `name`) once `seconds` pass, unless withdrawn
@@ -34,10 +40,9 @@ class Deadlines:
                 self._thread.start()
             token = next(self._ids)
             deadline = time.monotonic() + seconds
-            earliest = min((due[0] for due in self._due.values()), default=float("inf"))
             self._due[token] = (deadline, expired, name)
-            if deadline < earliest:  # the thread sleeps until a later one, or for ever
-                self._changed.notify()
+            if deadline < self._wakes_at:  # else the thread is up in time: no wake-up (a
+                self._changed.notify()  # wake-up is a thread switch, for every test)
             return token
 
     def withdraw(self, token: int) -> None:
@@ -54,5 +59,6 @@ class Deadlines:
                     if deadline <= now:
                         del self._due[token]
                         threading.Thread(target=expired, name=name, daemon=True).start()
-                earliest = min((due[0] for due in self._due.values()), default=None)
-                self._changed.wait(None if earliest is None else earliest - now)
+                idle = now + _IDLE_WAKE_S
+                self._wakes_at = min((due[0] for due in self._due.values()), default=idle)
+                self._changed.wait(max(0.0, self._wakes_at - now))

@@ -12,10 +12,8 @@ prints in those microseconds is not shown either: docs/limits.md says so.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 _ERRORS_ONLY = 2  # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
@@ -48,15 +46,18 @@ def _flag_once() -> ctypes.c_int | None:
     return _flag
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
+class quiet:  # a context manager, named as contextlib's are
     """Run the block with c10's log level at errors only (nested and threaded blocks share
-    one raise: the level is put back when the last one ends)."""
-    generation = _enter()
-    try:
-        yield
-    finally:
-        _leave(generation)
+    one raise: the level is put back when the last one ends). A class, not a generator: it
+    wraps every store call."""
+
+    __slots__ = ("_generation",)
+
+    def __enter__(self) -> None:
+        self._generation = _enter()
+
+    def __exit__(self, *exc: object) -> None:
+        _leave(self._generation)
 
 
 def release() -> None:

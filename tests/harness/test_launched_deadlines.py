@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from harness.launched import deadlines as deadlines_module
 from harness.launched.deadlines import Deadlines
 
 pytestmark = pytest.mark.unit
@@ -67,3 +68,15 @@ def test_a_callback_that_blocks_holds_back_no_other() -> None:
         assert second.wait(30)
     finally:
         release.set()
+
+
+def test_a_deadline_after_the_idle_wake_up_is_added_without_waking_and_still_fires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(deadlines_module, "_IDLE_WAKE_S", 0.1)
+    deadlines = Deadlines()
+    deadlines.withdraw(deadlines.add(0.0, lambda: None, "started"))  # the thread sleeps, idle
+    fired = threading.Event()
+    started = time.monotonic()
+    deadlines.add(0.3, fired.set, "later than its wake-up")
+    assert fired.wait(30) and time.monotonic() - started >= 0.3
