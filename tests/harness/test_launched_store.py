@@ -316,3 +316,25 @@ def test_dropped_keys_go_with_the_next_flush_not_on_the_callers_way() -> None:
         peers.flush_drops()  # nothing left: nothing sent
     finally:
         _stop(server)
+
+
+def test_a_wait_in_the_store_ends_as_its_keys_arrive_or_at_its_slice_silently(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """An exchange waits in the store a slice at a time: a slice that ends with a key still
+    missing is no error (torch raises, and logs its C++ frames, at a wait's timeout), a key
+    set meanwhile ends the wait, and a store gone is lost."""
+    server, port = _store_elsewhere()
+    try:
+        peers = Peers(_launch(port, 1), 30.0, None)
+        names = [peers._name("x/0")]
+        assert not peers._arrived(names, 0.05) and not peers.lost
+        peers.put("x/0", "here")
+        assert peers._arrived(names, 30.0) and peers._arrived(names, 0.0)
+        _stop(server)
+        assert not peers._arrived([peers._name("x/1")], 30.0)
+        assert peers.lost.startswith("DistNetworkError")
+    finally:
+        _stop(server)
+    said = capfd.readouterr().err
+    assert "[c10d]" not in said and "frame #" not in said, said
