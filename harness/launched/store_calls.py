@@ -20,7 +20,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from harness.launched import quiet_cpp
@@ -42,42 +43,39 @@ class StoreCalls:
         self._handed: _HandedCalls | None = None
         if connection is None:
             self._handed = _HandedCalls()
-        else:
-            threading.Thread(target=self._watch, name="harness-store-watch", daemon=True).start()
+        else:  # the watchdog holds this object weakly: it ends once the client is dropped
+            watch = threading.Thread(
+                target=_watch, args=(weakref.ref(self),), name="harness-store-watch", daemon=True
+            )
+            watch.start()
 
     def run(self, operation: Callable[[], Any], bound_s: float) -> tuple[bool, Any]:
         """(answered within `bound_s`, the result or the exception it raised)."""
         if self._handed is not None:
             return self._handed.run(operation, bound_s)
-        with self._in_flight(bound_s) as expired:
-            try:
-                with quiet_cpp.quiet():  # a failure is raised to the caller, not logged
-                    result = operation()
-            except BaseException as exc:  # handed to the caller, who decides
-                result = exc
-            return (False, None) if expired() else (True, result)
-
-    @contextlib.contextmanager
-    def _in_flight(self, bound_s: float) -> Iterator[Callable[[], bool]]:
         with self._lock:
             call = next(self._ids)
             self._deadlines[call] = time.monotonic() + bound_s
         try:
-            yield lambda: call in self._expired
-        finally:
-            with self._lock:
-                self._deadlines.pop(call, None)
-                self._expired.discard(call)
+            with quiet_cpp.quiet():  # a failure is raised to the caller, not logged
+                result = operation()
+        except BaseException as exc:  # handed to the caller, who decides
+            result = exc
+        with self._lock:
+            del self._deadlines[call]
+            expired = call in self._expired
+            self._expired.discard(call)
+        return (False, None) if expired else (True, result)
 
-    def _watch(self) -> None:
-        while not self._cut:
-            time.sleep(_WATCH_EVERY_S)
-            now = time.monotonic()
-            with self._lock:
-                late = {call for call, deadline in self._deadlines.items() if deadline <= now}
-                self._expired |= late
-            if late:
-                self._cut_connection()
+    def look(self) -> bool:
+        """Cut the connection under any call past its bound; whether to look again."""
+        now = time.monotonic()
+        with self._lock:
+            late = {call for call, deadline in self._deadlines.items() if deadline <= now}
+            self._expired |= late
+        if late:
+            self._cut_connection()
+        return not self._cut
 
     def _cut_connection(self) -> None:
         """Shut the client's connection down: the late call and every later one fail."""
@@ -89,6 +87,16 @@ class StoreCalls:
                 peer.shutdown(socket.SHUT_RDWR)
             finally:
                 peer.close()
+
+
+def _watch(calls: weakref.ref[StoreCalls]) -> None:
+    """The watchdog's loop, until the connection is cut or its StoreCalls is gone."""
+    while True:
+        time.sleep(_WATCH_EVERY_S)
+        watched = calls()
+        if watched is None or not watched.look():
+            return
+        del watched  # held only while it looks
 
 
 class _HandedCalls:

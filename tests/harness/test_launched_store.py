@@ -4,6 +4,7 @@ in a later one. Each job's keys go under a prefix made from every rank's random 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -338,3 +339,20 @@ def test_a_wait_in_the_store_ends_as_its_keys_arrive_or_at_its_slice_silently(
         _stop(server)
     said = capfd.readouterr().err
     assert "[c10d]" not in said and "frame #" not in said, said
+
+
+def test_the_watchdog_ends_with_its_client() -> None:
+    """One watchdog thread per client, for as long as the client is used: a session's Peers,
+    or a test's, leaves no thread looking at a connection no one calls on."""
+    mine, theirs = socket.socketpair()
+    try:
+        before = {t for t in threading.enumerate() if t.name == "harness-store-watch"}
+        calls: StoreCalls | None = StoreCalls(mine.fileno())
+        [watch] = {t for t in threading.enumerate() if t.name == "harness-store-watch"} - before
+        del calls
+        gc.collect()
+        watch.join(30)
+        assert not watch.is_alive()
+    finally:
+        mine.close()
+        theirs.close()
