@@ -7,7 +7,8 @@ between tests, outside pytest's capture, its frames land uncut in the rank's log
 harness call runs, c10's log level is raised to errors only; it is put back as the call
 returns, or as its caller stops waiting for it (a call left blocked on a cut link must not
 hold back other warnings for as long as TCP takes to give up). A C++ warning another thread
-prints in those microseconds is not shown either: docs/limits.md says so.
+prints meanwhile (microseconds; a wait at an exchange, up to a quarter second a slice) is not
+shown either: docs/limits.md says so.
 """
 
 from __future__ import annotations
