@@ -15,19 +15,45 @@ import sys
 import traceback
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
 
+from harness.common.launch_detect import Launch
 from harness.common.report_text import ranks_phrase
 from harness.launched import records, terminal
+from harness.launched.fate import Fate
 from harness.launched.gathered import Gathered
+from harness.launched.link import Link
 from harness.launched.nodes import Nodes
-from harness.launched.session import AGREE_S, LaunchedSession
+from harness.launched.position import Position
+from harness.launched.session import AGREE_S
 from harness.launched.store import store_is_here
 from harness.plan import seeds
 from harness.plan.settings import settings_of, use_seed
+
+
+class Agreeing(Protocol):
+    """What the agreements read of the launched session, and the steps they take on it."""
+
+    rank: int
+    config: pytest.Config
+    launch: Launch
+    backend: str
+    position: Position
+    fate: Fate
+    nodes: Nodes
+
+    @property
+    def link(self) -> Link: ...
+
+    def placed(self, nodes: Nodes) -> None: ...
+
+    def watch_crashes(self) -> None: ...
+
+    def over(self, status: int) -> None: ...
+
 
 # What each rank says of itself at the start (see agree_on_backend).
 _WORD: dict[str, type | tuple[type, ...]] = {
@@ -42,7 +68,7 @@ _WORD: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def agree_on_backend(launched: LaunchedSession) -> None:
+def agree_on_backend(launched: Agreeing) -> None:
     """Every rank must use the same backend (GPUs may differ between nodes) and the same
     torch and rankwise, and seeds its generators from rank 0's session seed. Each rank says
     which node it runs on and whether that node holds the launch's store (what a lost node
@@ -87,7 +113,7 @@ def agree_on_backend(launched: LaunchedSession) -> None:
     launched.watch_crashes()
 
 
-def _absent_by_node(launched: LaunchedSession, found: Gathered) -> str:
+def _absent_by_node(launched: Agreeing, found: Gathered) -> str:
     """'node 1 (ranks 2, 3): no sign of life ...', each node's absent ranks together where
     they are absent for the same reason (the node went), else rank by rank."""
     by_node: dict[tuple[str, str], list[int]] = {}
@@ -100,7 +126,7 @@ def _absent_by_node(launched: LaunchedSession, found: Gathered) -> str:
     )
 
 
-def _word(launched: LaunchedSession, rank: int, blob: bytes | None) -> dict[str, Any]:
+def _word(launched: Agreeing, rank: int, blob: bytes | None) -> dict[str, Any]:
     """What `rank` said of itself at the start; {} where it said nothing of the harness's
     (its seed is then not taken, nor its node named)."""
     if blob is None:
@@ -115,7 +141,7 @@ def _word(launched: LaunchedSession, rank: int, blob: bytes | None) -> dict[str,
     return word
 
 
-def _agree_on(launched: LaunchedSession, words: list[dict[str, Any]], field: str, fix: str) -> None:
+def _agree_on(launched: Agreeing, words: list[dict[str, Any]], field: str, fix: str) -> None:
     """End the session, on every rank alike, where the ranks said different `field`s: each
     value with the ranks (and nodes) that said it."""
     said: dict[str, list[int]] = {}
@@ -137,7 +163,7 @@ def _rankwise_version() -> str:
         return "unknown"
 
 
-def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item]) -> None:
+def agree_on_collection(launched: Agreeing, items: Sequence[pytest.Item]) -> None:
     """Every rank must have collected the same tests, in the same order, and without
     errors: pytest stops a rank that could not collect, and its peers would wait for it
     in the first test."""
@@ -190,7 +216,7 @@ def agree_on_collection(launched: LaunchedSession, items: Sequence[pytest.Item])
         )
 
 
-def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
+def agree_on_exit(launched: Agreeing, session: pytest.Session) -> None:
     """Every rank ends with one status: rank 0's, or the worst any rank reached."""
     status = int(session.exitstatus)
     launched.position.at_the_end()  # past every test: the end's keys are not deleted
@@ -216,7 +242,7 @@ def agree_on_exit(launched: LaunchedSession, session: pytest.Session) -> None:
     launched.over(final)
 
 
-def _final(launched: LaunchedSession, found: Gathered, mine: dict[str, Any]) -> int:
+def _final(launched: Agreeing, found: Gathered, mine: dict[str, Any]) -> int:
     statuses = [mine["status"]]
     for r, blob in enumerate(found.values):
         if r == 0 or r == launched.rank:
@@ -237,7 +263,7 @@ def _final(launched: LaunchedSession, found: Gathered, mine: dict[str, Any]) -> 
     return mine["status"] if mine["status"] != 0 else (bad[0] if bad else 0)
 
 
-def end_session(launched: LaunchedSession, message: str) -> None:
+def end_session(launched: Agreeing, message: str) -> None:
     """Stop the whole session now, on every rank alike (each rank finds the same problem)."""
     launched.over(int(pytest.ExitCode.INTERRUPTED))
     raise pytest.exit(message, returncode=pytest.ExitCode.INTERRUPTED)

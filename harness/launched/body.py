@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch.distributed as dist
@@ -21,12 +21,40 @@ from harness.common.faults import Fault, Injector
 from harness.common.outcome import Ending, RankOutcome
 from harness.common.protocol import RankSpec
 from harness.common.report_text import failure_text, ranks_phrase
-from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S, LaunchedSession
-from harness.launched.watch import HangTimer, Where
+from harness.launched.exchange import OutcomeExchange
+from harness.launched.fate import Fate
+from harness.launched.link import Link
+from harness.launched.nodes import Nodes
+from harness.launched.position import Position
+from harness.launched.session import ARRIVE_S, OUTCOME_GRACE_S
+from harness.launched.session_group import SessionGroup
+from harness.launched.voice import Voice
+from harness.launched.watch import HangTimer, Watch, Where
 from harness.plan import timeout_interop
 from harness.rank.body import run_body
 
 endings.skip_frames_of(__file__)
+
+
+class Running(Protocol):
+    """What a launched test's run reads of the session: its parts, each used as it is."""
+
+    rank: int
+    world_size: int
+    backend: str
+    position: Position
+    fate: Fate
+    nodes: Nodes
+    group: SessionGroup
+    voice: Voice
+    watch: Watch
+
+    @property
+    def link(self) -> Link: ...
+
+    @property
+    def outcomes(self) -> OutcomeExchange: ...
+
 
 _key_key = pytest.StashKey[str]()
 GROUP_DESTROYED = "the test destroyed the session's process group (set up again for the next)"
@@ -34,7 +62,7 @@ GROUP_DESTROYED = "the test destroyed the session's process group (set up again 
 _CLEAN = (Ending.RETURNED, Ending.SKIPPED, Ending.XFAILED)
 
 
-def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> str | None:
+def skip_reason(session: Running, spec: RankSpec, gpu_marked: bool) -> str | None:
     """Why this test cannot run in this launch (the same answer on every rank), or None."""
     if spec.world_size != session.world_size:
         return f"needs {spec.world_size} ranks, launched with {session.world_size}"
@@ -45,15 +73,13 @@ def skip_reason(session: LaunchedSession, spec: RankSpec, gpu_marked: bool) -> s
     return None
 
 
-def before_set_up(item: pytest.Item, session: LaunchedSession, spec: RankSpec) -> None:
+def before_set_up(item: pytest.Item, session: Running, spec: RankSpec) -> None:
     """Name this test's store keys and give it its group (none for launch=True)."""
     key = session.position.test_key()
     item.stash[_key_key] = _start_run(session, item.nodeid, spec, key, test_start=True)
 
 
-def _start_run(
-    session: LaunchedSession, nodeid: str, spec: RankSpec, key: str, test_start: bool
-) -> str:
+def _start_run(session: Running, nodeid: str, spec: RankSpec, key: str, test_start: bool) -> str:
     if spec.launch:
         session.group.set_aside()  # the test sets its own up, from torchrun's environment
     elif not (
@@ -70,7 +96,7 @@ def _start_run(
 
 
 def agree_on_set_up(
-    item: pytest.Item, session: LaunchedSession, spec: RankSpec, error: BaseException | None
+    item: pytest.Item, session: Running, spec: RankSpec, error: BaseException | None
 ) -> None:
     """Start the body only where every rank's fixtures were set up; else every rank stops.
 
@@ -120,7 +146,7 @@ def _said(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".strip() or type(error).__name__
 
 
-def run_test(item: pytest.Function, session: LaunchedSession, spec: RankSpec) -> list[RankOutcome]:
+def run_test(item: pytest.Function, session: Running, spec: RankSpec) -> list[RankOutcome]:
     """Run the body here and exchange outcomes: every rank's, for the one verdict."""
     key = item.stash[_key_key]
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
@@ -128,7 +154,7 @@ def run_test(item: pytest.Function, session: LaunchedSession, spec: RankSpec) ->
 
 
 def run_call(
-    session: LaunchedSession,
+    session: Running,
     node: pytest.Item,
     spec: RankSpec,
     fn: Callable[..., Any],
@@ -145,7 +171,7 @@ def run_call(
 
 
 def _run_everywhere(
-    session: LaunchedSession,
+    session: Running,
     key: str,
     spec: RankSpec,
     node: pytest.Item,
@@ -165,7 +191,7 @@ def _run_everywhere(
     return outcomes
 
 
-def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutcome]) -> None:
+def _after(item: pytest.Item, session: Running, outcomes: list[RankOutcome]) -> None:
     """Drop the group on every rank when any rank's run broke it; end the session after a
     hang or a lost rank, or when the launcher is stopping the job."""
     if any(o.ending not in _CLEAN or GROUP_DESTROYED in o.notes for o in outcomes):
@@ -191,7 +217,7 @@ def _after(item: pytest.Item, session: LaunchedSession, outcomes: list[RankOutco
 
 def _run_here(
     item: pytest.Item,
-    session: LaunchedSession,
+    session: Running,
     spec: RankSpec,
     key: str,
     call: Callable[[], Any],
@@ -216,7 +242,7 @@ class LaunchedBody:
     def __init__(
         self,
         item: pytest.Item,
-        session: LaunchedSession,
+        session: Running,
         spec: RankSpec,
         key: str,
         call: Callable[[], Any],

@@ -13,18 +13,32 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from rankwise.testing import write_launcher_error
 
 from harness.launched import records
 from harness.launched.blame import blamed_rank
-from harness.launched.fate import FirstFailure
-from harness.launched.session import AGREE_S, LaunchedSession
+from harness.launched.fate import Fate, FirstFailure
+from harness.launched.link import Link
+from harness.launched.session import AGREE_S
 
 
-def note(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
+class Filing(Protocol):
+    """What the error files read of the launched session."""
+
+    rank: int
+    fate: Fate
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def link(self) -> Link: ...
+
+
+def note(launched: Filing, item: pytest.Item, report: pytest.TestReport) -> None:
     """Remember the session's first failed test (every rank reports every test alike)."""
     if report.failed and launched.fate.first_failure is None:
         root, line = _blamed(report, launched.rank)
@@ -42,7 +56,7 @@ def _blamed(report: pytest.TestReport, this_rank: int) -> tuple[int, str]:
     return this_rank, f"rank {this_rank} failed: {said.splitlines()[0]}"
 
 
-def write(launched: LaunchedSession, final: int) -> None:
+def write(launched: Filing, final: int) -> None:
     """At the session's agreed end: every rank's entry for torchrun, the root cause first.
 
     Only in a failed session under torchrun (TORCHELASTIC_ERROR_FILE set); rank 0 decides
@@ -66,7 +80,7 @@ def write(launched: LaunchedSession, final: int) -> None:
         launched.link.gather("error-file", "1", AGREE_S, follow_exits=False)
 
 
-def _agree_on_root(launched: LaunchedSession) -> dict[str, Any] | None:
+def _agree_on_root(launched: Filing) -> dict[str, Any] | None:
     """Rank 0's word on the session's root cause, or None (no failed test to name)."""
     if launched.rank == 0:
         first = launched.fate.first_failure

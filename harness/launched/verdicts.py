@@ -10,20 +10,47 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
 from harness.common.diagnosis import report_looks_collateral
 from harness.common.report_text import ranks_phrase
 from harness.launched import records
+from harness.launched.exchange import OutcomeExchange
+from harness.launched.fate import Fate
 from harness.launched.gathered import Gathered
-from harness.launched.session import LaunchedSession
+from harness.launched.link import Link
+from harness.launched.nodes import Nodes
+from harness.launched.position import Position
+from harness.launched.session_group import SessionGroup
+from harness.launched.voice import Voice
 from harness.plan import timeout_interop
 from harness.plan.settings import session_timeout, settings_of
 
 
-def fixtures_key(launched: LaunchedSession) -> str:
+class Judging(Protocol):
+    """What the verdicts read of the launched session."""
+
+    rank: int
+    config: pytest.Config
+    position: Position
+    fate: Fate
+    nodes: Nodes
+    group: SessionGroup
+    voice: Voice
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def link(self) -> Link: ...
+
+    @property
+    def outcomes(self) -> OutcomeExchange: ...
+
+
+def fixtures_key(launched: Judging) -> str:
     """Where a rank's record of a hang in the current test's fixtures goes."""
     return f"{launched.position.test_key()}/fixtures"
 
@@ -33,7 +60,7 @@ def fixtures_key(launched: LaunchedSession) -> str:
 PLAIN_WAIT_S = 600.0
 
 
-def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport) -> None:
+def plain_verdict(launched: Judging, item: pytest.Item, report: pytest.TestReport) -> None:
     """One verdict for a test without ranks too: every rank ran it on its own; a failure on
     any rank fails it everywhere (naming the rank), so -x and the exit status agree."""
     if not launched.connected:
@@ -90,7 +117,7 @@ def plain_verdict(launched: LaunchedSession, item: pytest.Item, report: pytest.T
     _agree_on_skips(report, published)
 
 
-def _speak_for_rank_0(launched: LaunchedSession) -> None:
+def _speak_for_rank_0(launched: Judging) -> None:
     launched.voice.speak_for_rank_0(launched.fate, launched.nodes, launched.link.peers.lost)
 
 
@@ -108,9 +135,7 @@ def _also_failed(report: pytest.TestReport, failed: list[tuple[int, Any]], shown
 RELEASE_CHECK_S = 1.0
 
 
-def _gather_releasing_peers(
-    launched: LaunchedSession, key: str, failed: bool, mine: str
-) -> Gathered:
+def _gather_releasing_peers(launched: Judging, key: str, failed: bool, mine: str) -> Gathered:
     """Every rank's `mine` under `key`; where this rank `failed`, a peer still blocked in
     torch.distributed (on this rank, most likely) is released by leaving the group."""
     if not failed:
@@ -136,7 +161,7 @@ def _gather_releasing_peers(
     return found
 
 
-def _timeout(launched: LaunchedSession) -> float:
+def _timeout(launched: Judging) -> float:
     return session_timeout(settings_of(launched.config))
 
 
@@ -148,7 +173,7 @@ _PLAIN: _Fields = {
 _TEARDOWN: _Fields = {"failed": bool, "text": str, "group": bool}
 
 
-def _others(launched: LaunchedSession, found: Gathered, key: str) -> list[tuple[int, Any]]:
+def _others(launched: Judging, found: Gathered, key: str) -> list[tuple[int, Any]]:
     """The other ranks' published values, decoded, with their ranks."""
     return [
         (r, _published(blob, f"{key}/{r}"))
@@ -175,9 +200,7 @@ def _published(blob: bytes, key: str) -> dict[str, Any]:
         }  # fmt: skip
 
 
-def teardown_verdict(
-    launched: LaunchedSession, item: pytest.Item, report: pytest.TestReport
-) -> None:
+def teardown_verdict(launched: Judging, item: pytest.Item, report: pytest.TestReport) -> None:
     """A teardown that failed on any rank is the test's error on every rank, naming the
     rank and showing its failure (rank 0 alone reports, and its own may have passed)."""
     if not launched.connected:
