@@ -67,6 +67,35 @@ class Cluster:
             start_new_session=True,
         )
 
+    def slurm_ready(self, bound_s: float = 180.0) -> None:
+        """Every node up in SLURM. A node whose link a test cut is marked down by slurmctld,
+        and with ReturnToService=2 comes back only as it registers again, at slurmctld's
+        next ping (up to 100 s later): a srun started before then waits in the queue. Down
+        nodes are resumed here, and SLURM's word on them awaited (a bound)."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            states = self._slurm_states()
+            down = [node for node, state in states.items() if state not in _SLURM_UP]
+            if not down:
+                return
+            assert time.monotonic() < deadline, f"SLURM's nodes not up in {bound_s:g} s: {states}"
+            for node in [node for node in down if state_needs_resume(states[node])]:
+                resume = ["scontrol", "update", f"NodeName={node}", "State=RESUME"]
+                subprocess.run(
+                    self.command("n1", resume),
+                    env=self.env, capture_output=True, timeout=60, check=False,
+                )  # fmt: skip
+            time.sleep(1.0)  # a poll of SLURM's state, not a wait in its place
+
+    def _slurm_states(self) -> dict[str, str]:
+        """Each node's state as sinfo says it ("idle", "down*": '*' for not responding)."""
+        out = subprocess.run(
+            self.command("n1", ["sinfo", "-h", "-N", "-o", "%N %T"]),
+            env=self.env, capture_output=True, text=True, timeout=60, check=False,
+        ).stdout  # fmt: skip
+        found = dict(line.split(maxsplit=1) for line in out.splitlines() if " " in line.strip())
+        return {node: found.get(node, "unknown").strip().lower() for node in NODES}
+
     def processes(self, node: str) -> dict[int, str]:
         """What runs on `node` besides the cluster's daemons: {pid: command}."""
         found = {}
@@ -124,11 +153,21 @@ def cluster() -> Iterator[Cluster]:
             found.lose(node)
 
 
+_SLURM_UP = ("idle", "mixed", "allocated", "completing")
+
+
+def state_needs_resume(state: str) -> bool:
+    """Whether a node in `state` comes back only when told (down or drained)."""
+    return any(word in state for word in ("down", "drain", "fail"))
+
+
 @pytest.fixture
 def quiet_after(cluster: Cluster) -> Iterator[Cluster]:
-    """The cluster, checked after the test: nothing of it left running on any node."""
+    """The cluster, checked after the test: nothing of it left running on any node; every
+    node up in SLURM before it (a link cut by an earlier test leaves its node down there)."""
     for node in NODES:
         cluster.mend(node)
+    cluster.slurm_ready()
     yield cluster
     left = cluster.wait_quiet(240)  # a cut node's torchrun agent ends as TCP gives up (~100 s)
     for node in NODES:

@@ -496,6 +496,7 @@ def test_a_node_with_another_rankwise_ends_the_session_naming_it(
 
 def test_every_node_of_the_cluster_is_up(cluster: Cluster) -> None:
     """The lane's own check: SLURM sees every node, each its own host."""
+    cluster.slurm_ready()  # an earlier test cut links: their nodes may be down in SLURM
     out = subprocess.run(
         cluster.command("n1", ["srun", f"--nodes={len(NODES)}", "hostname"]),
         env=cluster.env, capture_output=True, text=True, timeout=120, check=True,
