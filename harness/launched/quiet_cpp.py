@@ -14,6 +14,7 @@ shown either: docs/limits.md says so.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from pathlib import Path
 
@@ -25,8 +26,10 @@ _saved = 0  # the level before the first of them
 _generation = 0  # bumped by release(): a call left behind then restores nothing
 
 
-def _level_flag() -> ctypes.c_int | None:
-    """c10's log level (FLAGS_caffe2_log_level in libc10), or None in a build without it."""
+@functools.cache
+def _flag_once() -> ctypes.c_int | None:
+    """c10's log level (FLAGS_caffe2_log_level in libc10), or None in a build without it;
+    looked up once."""
     try:
         import torch
 
@@ -34,17 +37,6 @@ def _level_flag() -> ctypes.c_int | None:
         return ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-_flag: ctypes.c_int | None = None
-_looked = False
-
-
-def _flag_once() -> ctypes.c_int | None:
-    global _flag, _looked
-    if not _looked:
-        _flag, _looked = _level_flag(), True
-    return _flag
 
 
 class quiet:  # a context manager, named as contextlib's are

@@ -292,15 +292,10 @@ class Peers:
         """Yields the seconds waited so far, pausing between yields (briefly at first, as
         ranks usually arrive together, longer later); stops after `seconds`, or a few once the
         launcher is stopping the job. The caller leaves the loop when what it awaits is there."""
-        start = time.monotonic()
-        pause = _FIRST_POLL_S
-        while True:
-            waited = time.monotonic() - start
+        for waited, pause in self._slices(seconds, _FIRST_POLL_S, _LAST_POLL_S):
             yield waited
-            if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S) or self.lost:
-                return
-            self._tick.wait(pause)
-            pause = min(pause * _POLL_GROWTH, _LAST_POLL_S)
+            if pause:
+                self._tick.wait(pause)
 
     def wait_for(self, key: str, seconds: float) -> bytes | None:
         """The value at `key` once some rank sets it; None if it is not set within `seconds`."""
@@ -309,18 +304,21 @@ class Peers:
                 return self.read(key)
         return None
 
-    def _slices(self, seconds: float) -> Iterator[tuple[float, float]]:
-        """(seconds waited so far, how long to wait next), as `polls` but without pausing:
-        the caller waits in the store, which ends its wait as what it awaits arrives."""
+    def _slices(
+        self, seconds: float, first_s: float = _FIRST_SLICE_S, last_s: float = _LAST_SLICE_S
+    ) -> Iterator[tuple[float, float]]:
+        """(seconds waited so far, how long to wait next; 0 at the end), each wait longer than
+        the last from `first_s` to `last_s`: `polls` pauses for it, an exchange waits that
+        long in the store, which ends its wait as what it awaits arrives."""
         start = time.monotonic()
-        slice_s = _FIRST_SLICE_S
+        slice_s = first_s
         while True:
             waited = time.monotonic() - start
             if waited >= seconds or (self.stopping and waited >= STOPPING_WAIT_S) or self.lost:
                 yield waited, 0.0
                 return
             yield waited, min(slice_s, seconds - waited)
-            slice_s = min(slice_s * _POLL_GROWTH, _LAST_SLICE_S)
+            slice_s = min(slice_s * _POLL_GROWTH, last_s)
 
     def _arrived(self, names: list[str], within_s: float) -> bool:
         """Whether every key in `names` is set within `within_s` (0: now): a wait in the store,
@@ -336,9 +334,7 @@ class Peers:
                 raise
             return True
 
-        return self._answered(
-            wait if within_s > 0 else lambda: bool(self.store.check(names)), False
-        )
+        return self._answered(wait, False) if within_s > 0 else self._checked(names)
 
     def _await(self, keys: list[str], awaited: set[int], seconds: float) -> dict[int, str]:
         given_up: dict[int, str] = {}
