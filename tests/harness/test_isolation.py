@@ -180,9 +180,11 @@ def test_d_all_reduce_is_right(rank):
 
 @pytest.mark.ranks
 def test_e_sends_on_the_backend_object(rank):
-    # One unreceived message per rank: the group's operation counts agree.
+    # One unreceived message per rank: the group's operation counts agree. The barrier
+    # keeps a rank from returning (its group torn down) before its peer has sent.
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     backend.send([torch.ones(1)], (rank + 1) % dist.get_world_size(), 0)
+    dist.barrier()
 
 @pytest.mark.ranks
 def test_f_send_recv_is_right(rank):
