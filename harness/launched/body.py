@@ -184,9 +184,10 @@ def _run_everywhere(
     if not group_ok:
         outcome = outcome.noted(GROUP_DESTROYED)
     left = spec.timeout_s - (time.monotonic() - started)
-    if key == session.position.test_key():
-        session.link.finishing()  # a peer still waiting in a run_on_ranks call of this test stops
-    outcomes = session.outcomes.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S)
+    # Past the test's body, said as the outcome is published: a peer still waiting in a
+    # run_on_ranks call of this test stops.
+    finishing = key == session.position.test_key()
+    outcomes = session.outcomes.exchange(key, outcome, max(left, 0.0) + OUTCOME_GRACE_S, finishing)
     _after(node, session, outcomes)
     return outcomes
 

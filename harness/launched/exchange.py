@@ -36,10 +36,13 @@ class OutcomeExchange:
         """The ranks said which node each runs on (see agreements.py)."""
         self._nodes = nodes
 
-    def exchange(self, key: str, outcome: RankOutcome, seconds: float) -> list[RankOutcome]:
-        """Every rank's outcome of run `key`; a rank that published none is read as gone."""
+    def exchange(
+        self, key: str, outcome: RankOutcome, seconds: float, finishing: bool = False
+    ) -> list[RankOutcome]:
+        """Every rank's outcome of run `key`; a rank that published none is read as gone.
+        `finishing`: this rank is past its test's body as it publishes (Link.gather)."""
         mine = None if key in self._hung else records.encode_outcome(outcome)  # or the timer's
-        found = self._link.gather(f"{key}/outcome", mine, seconds)
+        found = self._link.gather(f"{key}/outcome", mine, seconds, finishing=finishing)
         own = self._hung.get(key, outcome)  # what this rank said, where its word cannot arrive
         return [
             self._outcome(key, r, blob)

@@ -72,18 +72,30 @@ class Link:
         return self.peers.wait_for(key, seconds)
 
     def gather(
-        self, name: str, value: bytes | str | None, seconds: float, follow_exits: bool = True
+        self,
+        name: str,
+        value: bytes | str | None,
+        seconds: float,
+        follow_exits: bool = True,
+        finishing: bool = False,
     ) -> Gathered:
         """Every rank's `value` under `name`, in rank order; None for a rank that did not
         publish (gone, moved on, or late past `seconds`), with its reason.
 
         A rank absent because it ended its session with pytest.exit() or KeyboardInterrupt
         ends this one alike (pytest.exit with its words and status), unless `follow_exits`
-        is False (the session's end, where every rank is already stopping).
+        is False (the session's end, where every rank is already stopping). `finishing`:
+        this rank says it is past the test's body (see finishing) in the same operation as
+        it publishes `value`, its place first.
         """
         if value is not None:
             self._track(f"{name}/{self._rank}")
-        found = self.peers.gather(name, value, seconds, set(self._fate.lost))
+        first: list[tuple[str, bytes | str]] = []
+        if finishing:
+            stage = self._position.finishing()
+            self._position.reach(stage)
+            first.append((f"at/{self._rank}", str(stage)))
+        found = self.peers.gather(name, value, seconds, set(self._fate.lost), first)
         if found.complete:  # every rank is at this test: all have read the earlier tests' keys
             for old in [i for i in self._written if i < self._position.index]:
                 self.peers.drop(self._written.pop(old))

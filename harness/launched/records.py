@@ -15,7 +15,8 @@ import binascii
 import dataclasses
 import json
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from rankwise import testing as wire
 
@@ -68,12 +69,10 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     if not isinstance(fields, dict):
         raise RecordError("its fields are missing")
     read: dict[str, Any] = {}
-    for field in dataclasses.fields(RankOutcome):
-        if field.name in ("value_blob", "key", "rank"):
-            continue
-        if field.name not in fields:
-            raise RecordError(f"field {field.name!r} is missing")
-        read[field.name] = _checked(field.name, fields[field.name])
+    for name, check in _CHECKS.items():
+        if name not in fields:
+            raise RecordError(f"field {name!r} is missing")
+        read[name] = check(name, fields[name])
     if fields.get("rank") != rank or fields.get("key") != key:
         raise RecordError(f"it says it is rank {fields.get('rank')!r}'s of {fields.get('key')!r}")
     if "value" in record:
@@ -111,53 +110,55 @@ def _value_from(value: Any) -> Any:
         ) from None
 
 
-# The type each field must have on arrival (tuples arrive as JSON lists).
-_STR_FIELDS = {
-    "key", "value_repr", "value_lost", "exc_type", "message", "traceback", "stack", "where",
-    "stdout", "stderr", "log", "replace_after",
-}  # fmt: skip
-_BOOL_FIELDS = {"after_failure", "setup_failed"}
-_INT_OR_NONE = {"exit_code", "signal", "origin_rank"}
+def _str(name: str, value: Any) -> str:
+    return value if type(value) is str else cast(str, _typed(name, value, str))
 
 
-def _checked(name: str, value: Any) -> Any:
-    """`value` for field `name`, as the dataclass holds it; RecordError if of another shape."""
-    if name in _STR_FIELDS:
-        return _typed(name, value, str)
-    if name in _BOOL_FIELDS:
-        return _typed(name, value, bool)
-    if name in _INT_OR_NONE:
-        return None if value is None else _int(name, value)
-    if name in ("pid", "setup_attempts"):
-        return _int(name, value)
-    if name == "at":
-        return float(_typed(name, value, (int, float)))
-    if name == "ending":
-        try:
-            return Ending(value)
-        except ValueError:
-            raise RecordError(f"field 'ending' is {value!r}") from None
-    if name in ("exc_mro", "exc_classes"):
-        return tuple(_strings(name, value))
-    if name == "notes":
-        return tuple(_strings(name, value))
-    if name == "leftovers":
-        if not isinstance(value, dict):
-            raise RecordError("field 'leftovers' is not an object")
-        return {_typed(name, k, str): _typed(name, v, str) for k, v in value.items()}
-    if name == "warnings":
-        return tuple(_warning(w) for w in _typed(name, value, list))
-    if name == "skipped_at":
-        if value is None:
-            return None
-        where = _typed(name, value, list)
-        if len(where) != 2:
-            raise RecordError("field 'skipped_at' is not (file, line)")
-        return (_typed(name, where[0], str), _int(name, where[1]))
-    raise RecordError(f"field {name!r} is not one the harness reads")
+def _bool(name: str, value: Any) -> bool:
+    return value if type(value) is bool else cast(bool, _typed(name, value, bool))
+
+
+def _int_or_none(name: str, value: Any) -> int | None:
+    return None if value is None else _int(name, value)
+
+
+def _seconds(name: str, value: Any) -> float:
+    return float(_typed(name, value, (int, float)))
+
+
+def _ending(name: str, value: Any) -> Ending:
+    try:
+        return Ending(value)
+    except ValueError:
+        raise RecordError(f"field {name!r} is {value!r}") from None
+
+
+def _string_tuple(name: str, value: Any) -> tuple[str, ...]:
+    return tuple(_strings(name, value))
+
+
+def _leftovers(name: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise RecordError(f"field {name!r} is not an object")
+    return {_typed(name, k, str): _typed(name, v, str) for k, v in value.items()}
+
+
+def _warnings(name: str, value: Any) -> tuple[RankWarning, ...]:
+    return tuple(_warning(w) for w in _typed(name, value, list))
+
+
+def _skipped_at(name: str, value: Any) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    where = _typed(name, value, list)
+    if len(where) != 2:
+        raise RecordError(f"field {name!r} is not (file, line)")
+    return (_typed(name, where[0], str), _int(name, where[1]))
 
 
 def _typed(name: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    if type(value) is kind:  # nearly every value: no subclass, no bool standing for an int
+        return value
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise RecordError(f"field {name!r} is of type {type(value).__name__}")
     return value
@@ -180,6 +181,28 @@ def _warning(value: Any) -> RankWarning:
         _typed("warnings", value["filename"], str),
         _int("warnings", value["lineno"]),
     )
+
+
+# How each field is checked on arrival (tuples arrive as JSON lists), in the dataclass's
+# order; built once, as every rank reads every peer's outcome after every test.
+_BY_FIELD: dict[str, Callable[[str, Any], Any]] = {
+    **dict.fromkeys(
+        ("value_repr", "value_lost", "exc_type", "message", "traceback", "stack", "where",
+         "stdout", "stderr", "log", "replace_after"),
+        _str,
+    ),
+    **dict.fromkeys(("after_failure", "setup_failed"), _bool),
+    **dict.fromkeys(("exit_code", "signal", "origin_rank"), _int_or_none),
+    **dict.fromkeys(("pid", "setup_attempts"), _int),
+    **dict.fromkeys(("exc_mro", "exc_classes", "notes"), _string_tuple),
+    "at": _seconds, "ending": _ending, "leftovers": _leftovers, "warnings": _warnings,
+    "skipped_at": _skipped_at,
+}  # fmt: skip
+_CHECKS = {  # key and rank are compared with what the reader expects; value_blob never travels
+    f.name: _BY_FIELD[f.name]
+    for f in dataclasses.fields(RankOutcome)
+    if f.name not in ("value_blob", "key", "rank")
+}
 
 
 def read_json(blob: bytes, key: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -55,11 +55,13 @@ _POLL_GROWTH = 1.5
 # looks at why peers are missing): torch answers the wait as the last key is set. A slice that
 # ends unanswered costs about half a millisecond (torch's exception, held back: quiet_cpp), so
 # slices grow to a quarter second: fifteen ranks waiting for one computing for a minute take
-# 0.2% of a core each, not the 1% that 50 ms slices would.
-_FIRST_SLICE_S = 0.01
+# 0.2% of a core each, not the 1% that 50 ms slices would. The first slice lasts until the
+# first look at missing peers: shorter ones only ended unanswered more often as the world grew
+# (on an oversubscribed machine sixteen ranks take tens of milliseconds to reach an exchange).
+_FIRST_LOOK_S = 0.1  # a wait this long first notes the missing peers' heartbeats
+_FIRST_SLICE_S = _FIRST_LOOK_S
 _LAST_SLICE_S = 0.25
 _ABSENTEES_EVERY_S = 1.0  # how often a long wait looks at why peers are missing
-_FIRST_LOOK_S = 0.1  # a wait this long first notes the missing peers' heartbeats
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"  # a frame's file, in there
 
 
@@ -141,6 +143,13 @@ class Peers:
     def put(self, key: str, value: bytes | str) -> None:
         blob = signing.sign(self.secret, self._where(key), value)
         self._answered(lambda: self.store.set(self._name(key), blob), None)
+
+    def put_many(self, items: Sequence[tuple[str, bytes | str]]) -> None:
+        """Set each (key, value) in one operation, in order: no peer sees a later one set
+        while an earlier one is not."""
+        names = [self._name(key) for key, _ in items]
+        blobs = [signing.sign(self.secret, self._where(key), value) for key, value in items]
+        self._answered(lambda: self.store.multi_set(names, blobs), None)
 
     def has(self, key: str) -> bool:
         return self._checked([self._name(key)])
@@ -250,15 +259,24 @@ class Peers:
         return not self._silent(rank) and self._at(rank) <= self.position()
 
     def gather(
-        self, name: str, value: bytes | str | None, seconds: float, skip: set[int]
+        self,
+        name: str,
+        value: bytes | str | None,
+        seconds: float,
+        skip: set[int],
+        first: Sequence[tuple[str, bytes | str]] = (),
     ) -> Gathered:
         """Every rank's value under `name` (None where absent) and why each absent one is.
 
         `value` None keeps what this rank published there already; ranks in `skip` (known
-        to be gone) are not waited for.
+        to be gone) are not waited for; `first`, keys set just before `value`, in the same
+        operation (a round trip less for each).
         """
-        if value is not None:
-            self.put(f"{name}/{self.rank}", value)
+        puts = [*first, *([(f"{name}/{self.rank}", value)] if value is not None else [])]
+        if len(puts) == 1:
+            self.put(*puts[0])
+        elif puts:
+            self.put_many(puts)
         keys = [f"{name}/{r}" for r in range(self.world_size)]
         awaited = {r for r in range(self.world_size) if r not in skip and r != self.rank}
         absent = self._await(keys, awaited, seconds)

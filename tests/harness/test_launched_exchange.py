@@ -5,6 +5,7 @@ rank's outcome read back, and a missing one read as what became of its rank."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +36,7 @@ class FakePeers:
         self.absent: dict[int, str] = {}
         self.lost = ""
         self.lost_at = 0.0
+        self.puts_with_gathers: list[list[str]] = []  # the keys set with each gather's value
 
     def put(self, key: str, value: bytes | str) -> None:
         self.values[key] = value.encode() if isinstance(value, str) else value
@@ -48,7 +50,12 @@ class FakePeers:
     def drop(self, keys: list[str]) -> None:
         self.dropped += keys
 
-    def gather(self, name: str, value: Any, seconds: float, lost: set[int]) -> Gathered:
+    def gather(
+        self, name: str, value: Any, seconds: float, lost: set[int], first: Any = ()
+    ) -> Gathered:
+        self.puts_with_gathers.append([key for key, _ in first])
+        for key, said in first:
+            self.put(key, said)
         if value is not None:  # as the store's gather: this rank's own value written first
             self.put(f"{name}/{self.rank}", value)
         found = [self.values.get(f"{name}/{r}") for r in range(self.world)]
@@ -101,6 +108,20 @@ def test_every_ranks_outcome_comes_back_and_a_record_not_the_harnesss_is_named()
     got = exchange.exchange("t0", outcome(0), 1.0)
     assert [o.ending for o in got] == [Ending.RETURNED, Ending.RETURNED, Ending.RAISED]
     assert got[2].exc_type == "harness.RecordError" and "'t0/outcome/2'" in got[2].message
+
+
+def test_a_rank_past_its_tests_body_says_so_with_its_outcome_not_on_its_own() -> None:
+    """The test's own run: this rank's place (past the body) goes with its outcome, in the
+    same store operation and first; a run_on_ranks call's exchange says nothing of it."""
+    peers, link, exchange, _ = _parts(world=2)
+    link._position.begin("t.py::test_1")  # type: ignore[attr-defined]
+    peers.put("t1/outcome/1", records.encode_outcome(replace(outcome(1), key="t1")))
+    exchange.exchange("t1", replace(outcome(0), key="t1"), 1.0, finishing=True)
+    assert peers.puts_with_gathers == [["at/0"]]
+    assert peers.values["at/0"] == b"3" and link._position.stage == 3  # type: ignore[attr-defined]
+    peers.put("t1/c1/outcome/1", records.encode_outcome(replace(outcome(1), key="t1/c1")))
+    exchange.exchange("t1/c1", replace(outcome(0), key="t1/c1"), 1.0)
+    assert peers.puts_with_gathers[-1] == [] and peers.values["at/0"] == b"3"
 
 
 def test_a_missing_outcome_is_what_its_rank_said_as_it_died_else_its_absence() -> None:

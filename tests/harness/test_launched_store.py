@@ -288,6 +288,30 @@ def test_a_gather_costs_each_rank_the_same_store_calls_whatever_the_world(world:
         _stop(server)
 
 
+def test_keys_set_with_a_gathers_value_cost_no_call_and_are_set_first() -> None:
+    """A rank's place, said as it publishes its outcome: one operation sets both (the place
+    first), so a gather still costs three calls, and a peer sees them together."""
+    server, port = _store_elsewhere()
+    try:
+        mine, peer = (Peers(_launch(port, r), 30.0, SECRET) for r in (0, 1))
+        peer.put("x/1", "theirs")
+        calls: list[int] = []
+        answered = mine._answered
+
+        def counted(operation: Any, undone: Any) -> Any:
+            calls.append(1)
+            return answered(operation, undone)
+
+        mine._answered = counted  # type: ignore[method-assign]
+        found = mine.gather("x", "mine", 30.0, set(), [("at/0", "5")])
+        assert found.values == [b"mine", b"theirs"] and len(calls) == 3
+        assert peer.read("at/0") == b"5" and peer.read("x/0") == b"mine"
+        mine.put_many([("a/0", "first"), ("b/0", b"\xff\x00 second")])
+        assert peer.read("a/0") == b"first" and peer.read("b/0") == b"\xff\x00 second"
+    finally:
+        _stop(server)
+
+
 def test_a_one_second_gather_says_a_peer_moved_on() -> None:
     """A rank whose test failed gathers in one-second turns: a peer already past the test is
     named as moved on (ranks out of step), not as late."""
