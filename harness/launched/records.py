@@ -22,7 +22,9 @@ from rankwise import testing as wire
 
 from harness.common.outcome import Ending, RankOutcome, RankWarning
 
-_SCHEMA = "harness.outcome/2"  # an identifier of the record, not a module path
+# An identifier of the record, not a module path. 3: a field at its default is left out
+# (every rank reads every peer's record after every test: a plain pass is five fields).
+_SCHEMA = "harness.outcome/3"
 
 
 class RecordError(ValueError):
@@ -30,12 +32,19 @@ class RecordError(ValueError):
 
 
 def encode_outcome(outcome: RankOutcome) -> str:
-    """`outcome` as the JSON record a peer reads."""
-    fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(RankOutcome)}
-    del fields["value_blob"]
-    fields["ending"] = outcome.ending.value
-    fields["warnings"] = [dataclasses.asdict(w) for w in outcome.warnings]
-    fields["leftovers"] = dict(outcome.leftovers)
+    """`outcome` as the JSON record a peer reads: its fields not at their defaults."""
+    fields: dict[str, Any] = {
+        "key": outcome.key, "rank": outcome.rank, "pid": outcome.pid,
+        "ending": outcome.ending.value,
+    }  # fmt: skip
+    for name, default in _DEFAULTS.items():
+        value = getattr(outcome, name)
+        if value != default:
+            fields[name] = value
+    if "warnings" in fields:
+        fields["warnings"] = [dataclasses.asdict(w) for w in outcome.warnings]
+    if "leftovers" in fields:
+        fields["leftovers"] = dict(outcome.leftovers)
     record: dict[str, Any] = {"schema": _SCHEMA, "fields": fields}
     if outcome.value_blob is not None:
         value, lost = _value_record(pickle.loads(outcome.value_blob))  # this rank's own
@@ -69,10 +78,12 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     if not isinstance(fields, dict):
         raise RecordError("its fields are missing")
     read: dict[str, Any] = {}
-    for name, check in _CHECKS.items():
+    for name in _REQUIRED:
         if name not in fields:
             raise RecordError(f"field {name!r} is missing")
-        read[name] = check(name, fields[name])
+    for name, check in _CHECKS.items():
+        if name in fields:  # else its default, as the writer left it out
+            read[name] = check(name, fields[name])
     if fields.get("rank") != rank or fields.get("key") != key:
         raise RecordError(f"it says it is rank {fields.get('rank')!r}'s of {fields.get('key')!r}")
     if "value" in record:
@@ -202,6 +213,12 @@ _CHECKS = {  # key and rank are compared with what the reader expects; value_blo
     f.name: _BY_FIELD[f.name]
     for f in dataclasses.fields(RankOutcome)
     if f.name not in ("value_blob", "key", "rank")
+}
+_REQUIRED = ("pid", "ending")  # the fields with no default: in every record
+_DEFAULTS = {  # the rest, each left out of a record where it holds this
+    f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    for f in dataclasses.fields(RankOutcome)
+    if f.name in _CHECKS and f.name not in _REQUIRED
 }
 
 

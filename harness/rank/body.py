@@ -20,13 +20,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
 
-import torch
-
 from harness.common import endings, hygiene, rank_warnings, reaper
 from harness.common.faults import Fault, Injector
 from harness.common.outcome import RankOutcome
 from harness.common.protocol import RankSpec
-from harness.rank import raw_threads
+from harness.rank import raw_threads, torch_seed
 
 endings.skip_frames_of(__file__)
 DAEMONIC_END_WAIT_S = 1.0
@@ -142,7 +140,7 @@ def seed_generators(seed: int | None, rank: int, same: bool) -> None:
     else:
         value = (seed + (0 if same else rank)) % 2**64
     random.seed(value)
-    torch.manual_seed(value)  # the CPU generator, and every CUDA device's where CUDA is up
+    torch_seed.manual_seed(value)  # the CPU generator, and every accelerator's there can be
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(value % 2**32)

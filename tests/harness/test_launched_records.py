@@ -60,6 +60,25 @@ def test_an_outcome_travels_as_json_and_comes_back_whole(value: Any) -> None:
         assert got.value == value
 
 
+def test_a_plain_pass_travels_as_its_five_fields_and_comes_back_equal() -> None:
+    """Every rank reads every peer's record after every test: a field at its default is
+    left out (and read back as that default); pid and ending, which have none, never are."""
+    sent = RankOutcome("t3", 1, 4242, Ending.RETURNED, at=12.5)
+    record = json.loads(records.encode_outcome(sent))
+    assert record["fields"] == {
+        "key": "t3",
+        "rank": 1,
+        "pid": 4242,
+        "ending": "returned",
+        "at": 12.5,
+    }
+    assert records.decode_outcome(records.encode_outcome(sent).encode(), "t3", 1) == sent
+    for required in ("pid", "ending"):
+        del_one = {**record, "fields": {k: v for k, v in record["fields"].items() if k != required}}
+        with pytest.raises(records.RecordError, match=f"field '{required}' is missing"):
+            records.decode_outcome(json.dumps(del_one).encode(), "t3", 1)
+
+
 class _Opaque:
     pass
 
