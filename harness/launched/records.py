@@ -84,7 +84,8 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     for name, check in _CHECKS.items():
         if name in fields:  # else its default, as the writer left it out
             read[name] = check(name, fields[name])
-    if fields.get("rank") != rank or fields.get("key") != key:
+    said_rank = fields.get("rank")
+    if type(said_rank) is not int or said_rank != rank or fields.get("key") != key:
         raise RecordError(f"it says it is rank {fields.get('rank')!r}'s of {fields.get('key')!r}")
     if "value" in record:
         read["value_blob"] = pickle.dumps(_value_from(record["value"]))  # a value of our own

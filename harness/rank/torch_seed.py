@@ -11,7 +11,7 @@ it compiled in seeds it exactly as torch.manual_seed does.
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Any
 
 import torch
@@ -19,22 +19,26 @@ import torch
 _QUEUED_WHEN_IDLE = ("cuda", "xpu", "mtia")  # seeded through torch's lazy call
 
 
+_swapping = threading.Lock()  # two threads seeding at once: each puts back torch's own
+
+
 def manual_seed(value: int) -> None:
     """torch.manual_seed(value), skipping the accelerators this build cannot have."""
-    skipped = _not_compiled()
-    kept = [(module, module.manual_seed_all) for module in skipped]
-    for module in skipped:
-        module.manual_seed_all = _nothing_to_seed
-    try:
-        torch.manual_seed(value)
-    finally:
-        for module, seeding in kept:
-            module.manual_seed_all = seeding
+    with _swapping:
+        skipped = _not_compiled()
+        kept = [(module, module.manual_seed_all) for module in skipped]
+        for module in skipped:
+            module.manual_seed_all = _nothing_to_seed
+        try:
+            torch.manual_seed(value)
+        finally:
+            for module, seeding in kept:
+                module.manual_seed_all = seeding
 
 
-@functools.cache
 def _not_compiled() -> tuple[Any, ...]:
-    """The accelerator modules whose seeding torch would queue in vain in this build."""
+    """The accelerator modules whose seeding torch would queue in vain in this build now
+    (asked each time: MTIA counts as built once an out-of-tree library registers it)."""
     found = []
     for name in _QUEUED_WHEN_IDLE:
         module = getattr(torch, name, None)

@@ -121,6 +121,8 @@ def _record(**changes: Any) -> bytes:
         ({"notes": [1]}, "field 'notes' is of type int"),
         ({"skipped_at": ["t.py"]}, "field 'skipped_at' is not \\(file, line\\)"),
         ({"rank": 0}, "it says it is rank 0's"),
+        ({"rank": True}, "it says it is rank True's"),  # JSON's true is no rank 1
+        ({"rank": 1.0}, "it says it is rank 1.0's"),
         ({"setup_failed": 1}, "field 'setup_failed' is of type int"),
     ],
 )

@@ -3,6 +3,8 @@ gives, without the stack text torch keeps for an accelerator this build cannot h
 
 from __future__ import annotations
 
+import sys
+import threading
 import traceback
 from typing import Any
 
@@ -58,4 +60,24 @@ def test_a_seed_torch_refuses_leaves_torch_as_it_was() -> None:
     before = {name: getattr(torch, name).manual_seed_all for name in _LAZY}
     with pytest.raises((RuntimeError, ValueError), match="verflow"):
         torch_seed.manual_seed(2**64)  # torch's own error: out of range, raised at the end
+    assert {name: getattr(torch, name).manual_seed_all for name in _LAZY} == before
+
+
+def test_two_threads_seeding_at_once_leave_torchs_seedings_in_place() -> None:
+    """Each call puts back what it found: without one call at a time, the second to start
+    found the first's stand-in and put that back, for good."""
+    before = {name: getattr(torch, name).manual_seed_all for name in _LAZY}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as Python can
+    try:
+        threads = [
+            threading.Thread(target=lambda i=i: [torch_seed.manual_seed(i) for _ in range(1500)])
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert {name: getattr(torch, name).manual_seed_all for name in _LAZY} == before
