@@ -47,7 +47,7 @@ def encode_outcome(outcome: RankOutcome) -> str:
         fields["leftovers"] = dict(outcome.leftovers)
     record: dict[str, Any] = {"schema": _SCHEMA, "fields": fields}
     if outcome.value_blob is not None:
-        value, lost = _value_record(pickle.loads(outcome.value_blob))  # this rank's own
+        value, lost = _value_record_of(outcome.value_blob)
         if value is not None:
             record["value"] = value
         else:
@@ -90,6 +90,16 @@ def _decode_outcome(blob: bytes, key: str, rank: int) -> RankOutcome:
     if "value" in record:
         read["value_blob"] = pickle.dumps(_value_from(record["value"]))  # a value of our own
     return RankOutcome(key=key, rank=rank, **read)
+
+
+def _value_record_of(blob: bytes) -> tuple[dict[str, str] | None, str]:
+    """_value_record of the value this rank pickled itself (its own, so loaded), or why not
+    where its pickle does not load back (a __reduce__ that leaves out what __init__ needs)."""
+    try:
+        value = pickle.loads(blob)
+    except Exception as exc:
+        return None, f"its pickle does not load back ({type(exc).__name__}: {exc})"
+    return _value_record(value)
 
 
 def _value_record(value: Any) -> tuple[dict[str, str] | None, str]:

@@ -88,6 +88,25 @@ def test_a_value_that_would_need_pickle_is_reported_not_sent() -> None:
     assert got.value_blob is None and "never pickled" in got.value_lost
 
 
+class _NoLoadBack:
+    """Pickles, but its pickle does not load: __reduce__ leaves out what __init__ needs."""
+
+    def __init__(self, needed: int) -> None:
+        self.needed = needed
+
+    def __reduce__(self) -> Any:
+        return (_NoLoadBack, ())
+
+
+def test_a_value_whose_pickle_does_not_load_back_is_reported_not_a_crash() -> None:
+    """Its rank's outcome still travels (its peers would wait for it otherwise), saying why
+    the value did not."""
+    blob = records.encode_outcome(_full_outcome(_NoLoadBack(1))).encode()
+    got = records.decode_outcome(blob, "t3", 1)
+    assert got.value_blob is None and got.ending is Ending.RAISED
+    assert "does not load back" in got.value_lost and "TypeError" in got.value_lost
+
+
 class _Payload:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
