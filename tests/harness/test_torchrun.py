@@ -161,6 +161,22 @@ def _value(scale):
 
 def test_run_on_ranks_in_the_launch(run_on_ranks):
     assert run_on_ranks(_value, 10, world_size=2).values == [0, 10]
+
+class _NoLoadBack:
+    def __init__(self, needed):
+        self.needed = needed
+
+    def __reduce__(self):  # leaves out what __init__ needs: its pickle does not load
+        return (_NoLoadBack, ())
+
+def _unloadable_on_rank_1():
+    return _NoLoadBack(1) if dist.get_rank() == 1 else "fine"
+
+def test_a_value_whose_pickle_does_not_load_back(run_on_ranks):
+    out = run_on_ranks(_unloadable_on_rank_1, world_size=2)
+    assert out[0].value == "fine"
+    with pytest.raises(ValueError, match="its pickle does not load back"):
+        out[1].value
 """
 
 
@@ -188,6 +204,7 @@ def test_one_verdict_across_two_launched_ranks(pytester: pytest.Pytester) -> Non
         "test_launch_mode_makes_its_own_group[ranks2]": "passed",
         "test_group_is_back[ranks2]": "passed",
         "test_run_on_ranks_in_the_launch": "passed",
+        "test_a_value_whose_pickle_does_not_load_back": "passed",
         "test_fake_world_works_in_one_process": "passed",
         "test_a_fault_at_a_rankwise_label[ranks2]": "failure",
     }
