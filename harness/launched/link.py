@@ -49,8 +49,12 @@ class Link:
 
     def reach(self, stage: int) -> None:
         """Say where this rank is, so a peer waiting on it elsewhere stops waiting."""
+        self.put(*self._place(stage))
+
+    def _place(self, stage: int) -> tuple[str, str]:
+        """This rank is at `stage` now: the key and value that say so to the others."""
         self._position.reach(stage)
-        self.put(f"at/{self._rank}", str(stage))
+        return f"at/{self._rank}", str(stage)
 
     def finishing(self) -> None:
         """This rank is past the current test's body and calls: only its verdict is left."""
@@ -90,11 +94,7 @@ class Link:
         """
         if value is not None:
             self._track(f"{name}/{self._rank}")
-        first: list[tuple[str, bytes | str]] = []
-        if finishing:
-            stage = self._position.finishing()
-            self._position.reach(stage)
-            first.append((f"at/{self._rank}", str(stage)))
+        first = [self._place(self._position.finishing())] if finishing else []
         found = self.peers.gather(name, value, seconds, set(self._fate.lost), first)
         if found.complete:  # every rank is at this test: all have read the earlier tests' keys
             for old in [i for i in self._written if i < self._position.index]:

@@ -133,11 +133,11 @@ def _value_from(value: Any) -> Any:
 
 
 def _str(name: str, value: Any) -> str:
-    return value if type(value) is str else cast(str, _typed(name, value, str))
+    return cast(str, _typed(name, value, str))
 
 
 def _bool(name: str, value: Any) -> bool:
-    return value if type(value) is bool else cast(bool, _typed(name, value, bool))
+    return cast(bool, _typed(name, value, bool))
 
 
 def _int_or_none(name: str, value: Any) -> int | None:
