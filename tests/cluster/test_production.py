@@ -47,8 +47,10 @@ while True:
     dist.all_reduce(t)
     step += 1
     if step == 20:
-        with open(os.path.join(marks, f"ready-{rank}"), "w") as f:
+        mark = os.path.join(marks, f"ready-{rank}")
+        with open(mark + ".part", "w") as f:  # renamed whole: the test never reads it half-written
             f.write(str(os.getpid()))
+        os.replace(mark + ".part", mark)
     time.sleep(0.01)
 """
 
@@ -104,10 +106,10 @@ def test_every_survivor_names_what_failed_in_production_code(
                                   tmp_path, env) for node in nodes}  # fmt: skip
     try:
         deadline = time.monotonic() + START_BOUND_S
-        while len(list(marks.glob("ready-*"))) < 2 * count:
+        while len(list(marks.glob("ready-*[0-9]"))) < 2 * count:
             assert time.monotonic() < deadline, "the ranks never got going"
             time.sleep(0.1)
-        pids = {int(p.name[6:]): int(p.read_text()) for p in marks.glob("ready-*")}
+        pids = {int(p.name[6:]): int(p.read_text()) for p in marks.glob("ready-*[0-9]")}
         started = time.monotonic()
         if fault == "raise":
             (marks / "raise").touch()

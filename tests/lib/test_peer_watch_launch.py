@@ -39,8 +39,10 @@ while True:
     dist.all_reduce(t)
     step += 1
     if step == 20:
-        with open(os.path.join(os.environ["MARKS"], f"ready-{rank}"), "w") as f:
+        mark = os.path.join(os.environ["MARKS"], f"ready-{rank}")
+        with open(mark + ".part", "w") as f:  # renamed whole: the test never reads it half-written
             f.write(str(os.getpid()))
+        os.replace(mark + ".part", mark)
     time.sleep(0.01)
 """
 
@@ -63,8 +65,10 @@ rank = dist.get_rank()
 without = {0: dist.new_group([1, 2, 3]), 2: dist.new_group([0, 1, 3])}
 for step in range(20):
     rw.all_reduce("step", lambda: step, sum)
-with open(os.path.join(os.environ["MARKS"], f"ready-{rank}"), "w") as f:
+mark = os.path.join(os.environ["MARKS"], f"ready-{rank}")
+with open(mark + ".part", "w") as f:  # renamed whole: the test never reads it half-written
     f.write(str(os.getpid()))
+os.replace(mark + ".part", mark)
 plan = os.path.join(os.environ["MARKS"], "waiter")
 while not os.path.exists(plan):
     time.sleep(0.05)
@@ -128,11 +132,11 @@ def _script(tmp: Path, text: str) -> Path:
 def _ready(tmp: Path, agents: list[subprocess.Popen[str]]) -> dict[int, int]:
     """Wait (bounded) until all 4 ranks are looping; each rank's pid."""
     deadline = time.monotonic() + START_BOUND_S
-    while len(list(tmp.glob("ready-*"))) < 4:
+    while len(list(tmp.glob("ready-*[0-9]"))) < 4:
         assert time.monotonic() < deadline, "the ranks never got going"
         assert all(a.poll() is None for a in agents), "an agent ended before the fault"
         time.sleep(0.1)
-    return {int(p.name[6:]): int(p.read_text()) for p in tmp.glob("ready-*")}
+    return {int(p.name[6:]): int(p.read_text()) for p in tmp.glob("ready-*[0-9]")}
 
 
 def _until(path: Path) -> None:
