@@ -51,6 +51,7 @@ from harness.rank import (
     raw_threads,
     state,
     stdin,
+    store_connect,
     task,
 )
 
@@ -96,6 +97,7 @@ def _bootstrap(files: RankFiles) -> _Rank:
     kept_group.share_issued_count(str(files.issued))
     raw_threads.track()
     group_release.watch_made_groups()
+    store_connect.connect_when_listening()
     rank = _Rank(stacks)
     stdin.replace_stdin(lambda: rank.serving)
     task.note_own_pid()

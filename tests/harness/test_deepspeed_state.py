@@ -11,6 +11,8 @@ import pytest
 
 from harness.adopt.deepspeed import ranks
 
+pytestmark = pytest.mark.unit
+
 
 def _module(name: str, **values: object) -> ModuleType:
     module = ModuleType(name)

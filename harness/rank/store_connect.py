@@ -1,0 +1,63 @@
+"""A test's own TCPStore rendezvous on a warm rank (``env://`` or ``tcp://``, as DeepSpeed's
+tests and torchrun-style code set their groups up): a rank that tries to connect before the
+host rank listens is refused, and torch's client then pauses about half a second before it
+tries again. The ranks of a warm world start a test together, so one test in a few lost that
+race. Here a client first waits, bounded by the store's own timeout, until the host takes a
+connection, trying a plain socket every millisecond or so at first (it says nothing), then
+connects at once. Runs inside warm ranks; installed once per rank process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+_FIRST_PAUSE_S = 0.001
+_LAST_PAUSE_S = 0.05
+_DEFAULT_TIMEOUT_S = 300.0  # TCPStore's own default
+_ARGS = ("host_name", "port", "world_size", "is_master", "timeout")
+
+
+def connect_when_listening() -> None:
+    """Make torch's rendezvous (init_process_group's env:// and tcp://) create each store
+    client once its host listens."""
+    rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")  # not the function
+    original = getattr(rendezvous, "TCPStore", None)
+    if original is None or getattr(original, "_harness_waits", False):
+        return
+
+    def tcp_store(*args: Any, **kwargs: Any) -> Any:
+        given = dict(zip(_ARGS, args, strict=False)) | kwargs
+        if not given.get("is_master", False) and "host_name" in given and "port" in given:
+            await_listening(str(given["host_name"]), int(given["port"]), _seconds(given))
+        return original(*args, **kwargs)
+
+    tcp_store._harness_waits = True  # type: ignore[attr-defined]
+    rendezvous.TCPStore = tcp_store
+
+
+def await_listening(host: str, port: int, bound_s: float) -> bool:
+    """Whether `host`:`port` takes a connection within `bound_s`; torch's client, called next
+    either way, connects at once or reports its own error."""
+    deadline = time.monotonic() + bound_s
+    pause = _FIRST_PAUSE_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 1.5, _LAST_PAUSE_S)
+
+
+def _seconds(given: dict[str, Any]) -> float:
+    timeout = given.get("timeout")
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return _DEFAULT_TIMEOUT_S
