@@ -111,10 +111,7 @@ def plain_verdict(launched: Judging, item: pytest.Item, report: pytest.TestRepor
     if report.outcome == "failed":
         _also_failed(report, failed, launched.rank)
         return
-    published = {
-        r: _published(b, f"{key}/{r}") for r, b in enumerate(found.values) if b is not None
-    }
-    _agree_on_skips(report, published)
+    _agree_on_skips(report, _every_published(found, key))
 
 
 def _speak_for_rank_0(launched: Judging) -> None:
@@ -175,11 +172,24 @@ _TEARDOWN: _Fields = {"failed": bool, "text": str, "group": bool}
 
 def _others(launched: Judging, found: Gathered, key: str) -> list[tuple[int, Any]]:
     """The other ranks' published values, decoded, with their ranks."""
-    return [
-        (r, _published(blob, f"{key}/{r}"))
-        for r, blob in enumerate(found.values)
-        if blob is not None and r != launched.rank
-    ]
+    every = _every_published(found, key)
+    return [(r, said) for r, said in every.items() if r != launched.rank]
+
+
+def _every_published(found: Gathered, key: str) -> dict[int, dict[str, Any]]:
+    """Every published value, decoded, by rank: a value several ranks gave alike (a passing
+    test's, nearly always) is read once, so a rank's work here stays the same at any world
+    size. Read only: ranks that said the same share it."""
+    read: dict[bytes, dict[str, Any]] = {}
+    every = {}
+    for r, blob in enumerate(found.values):
+        if blob is None:
+            continue
+        said = read[blob] if blob in read else _published(blob, f"{key}/{r}")
+        if not said.get("harness_error"):  # a refusal names its own rank's key
+            read[blob] = said
+        every[r] = said
+    return every
 
 
 def _published(blob: bytes, key: str) -> dict[str, Any]:
@@ -196,7 +206,7 @@ def _published(blob: bytes, key: str) -> dict[str, Any]:
         text = f"harness error: {exc}; it was ignored"
         return {
             "outcome": "failed", "failed": True, "text": text, "reason": "", "sections": [],
-            "xfail": None,
+            "xfail": None, "harness_error": True,
         }  # fmt: skip
 
 

@@ -112,3 +112,30 @@ def test_a_skip_on_some_ranks_only_fails_the_test_and_an_xfail_beside_passes_xfa
     report = SimpleNamespace(outcome="passed", longrepr=None)
     verdicts._agree_on_skips(report, {0: _plain("passed"), 1: _plain("skipped", "flaky")})
     assert report.outcome == "skipped" and report.wasxfail == "flaky"
+
+
+def test_a_record_many_ranks_gave_alike_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's work on the exchange stays the same at any world size."""
+    read = []
+    real = verdicts.records.read_json
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        read.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verdicts.records, "read_json", counted)
+    report, group = _teardown({r: _ok() for r in range(1, 16)})
+    assert report.outcome == "passed" and group.everywhere is True
+    assert len(read) == 1  # fifteen ranks said the same: read once
+    failed = {"failed": True, "text": "E   OSError: disk full", "group": True}
+    report, _ = _teardown({1: _ok(), 2: failed, 3: failed})
+    assert report.longrepr.startswith("rank 2's teardown failed")
+
+
+def test_records_refused_alike_each_name_their_own_key() -> None:
+    bad = json.dumps({"failed": "no", "text": 3}).encode()
+    every = verdicts._every_published(Gathered([None, bad, bad]), "t0/teardown")
+    assert set(every) == {1, 2}
+    for rank in (1, 2):
+        assert every[rank]["failed"] is True
+        assert f"'t0/teardown/{rank}'" in every[rank]["text"], every[rank]["text"]
