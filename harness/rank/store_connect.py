@@ -2,9 +2,11 @@
 tests and torchrun-style code set their groups up): a rank that tries to connect before the
 host rank listens is refused, and torch's client then pauses about half a second before it
 tries again. The ranks of a warm world start a test together, so one test in a few lost that
-race. Here a client first waits, bounded by the store's own timeout, until the host takes a
-connection, trying a plain socket every millisecond or so at first (it says nothing), then
-connects at once. Runs inside warm ranks; installed once per rank process.
+race. Here a client first waits until the host takes a connection, trying a plain socket
+every millisecond or so at first (it says nothing), then connects at once. That wait lasts a
+few seconds at most: a host later than that is left to torch's client and its own timeout,
+so a host that never comes fails as it would without the harness, barely later. Runs inside
+warm ranks; installed once per rank process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 _FIRST_PAUSE_S = 0.001
 _LAST_PAUSE_S = 0.05
 _DEFAULT_TIMEOUT_S = 300.0  # TCPStore's own default
+_AWAIT_AT_MOST_S = 5.0  # a race lost by more than this is rare: torch's client takes it over
 _ARGS = ("host_name", "port", "world_size", "is_master", "timeout")
 
 
@@ -32,7 +35,8 @@ def connect_when_listening() -> None:
     def tcp_store(*args: Any, **kwargs: Any) -> Any:
         given = dict(zip(_ARGS, args, strict=False)) | kwargs
         if not given.get("is_master", False) and "host_name" in given and "port" in given:
-            await_listening(str(given["host_name"]), int(given["port"]), _seconds(given))
+            bound_s = min(_seconds(given), _AWAIT_AT_MOST_S)
+            await_listening(str(given["host_name"]), int(given["port"]), bound_s)
         return original(*args, **kwargs)
 
     tcp_store._harness_waits = True  # type: ignore[attr-defined]

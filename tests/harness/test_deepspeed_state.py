@@ -57,6 +57,8 @@ def test_what_a_test_changes_is_put_back_for_the_next(deepspeed: ModuleType) -> 
 def test_the_state_is_the_first_tests_even_when_changed_between_tests(
     deepspeed: ModuleType,
 ) -> None:
+    # Where state is put into a module between adopted tests (an import's side effect as a
+    # later test file loads, say), it lasts one test: DeepSpeed's suite has no such case.
     _test(lambda: None)
     deepspeed._WORLD_GROUP = "set between tests"  # by no adopted test
     seen: list[object] = []

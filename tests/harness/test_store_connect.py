@@ -106,6 +106,20 @@ def test_a_host_that_never_listens_is_left_to_torchs_own_error(
 
 
 @pytest.mark.unit
+def test_a_host_later_than_a_few_seconds_is_left_to_torch(
+    made: list[dict[str, Any]], unopened: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store timeout of 30 minutes (init_process_group's) is torch's to wait out: the
+    harness's own wait ends after a few seconds, so a host that never comes fails as it
+    would without the harness, not after twice the timeout."""
+    bounds: list[float] = []
+    monkeypatch.setattr(store_connect, "await_listening", lambda h, p, s: bounds.append(s))
+    rendezvous.TCPStore("127.0.0.1", _port(unopened), 2, False, timedelta(minutes=30))
+    rendezvous.TCPStore("127.0.0.1", _port(unopened), 2, False, timedelta(seconds=1))
+    assert bounds == [store_connect._AWAIT_AT_MOST_S, 1.0] and len(made) == 2
+
+
+@pytest.mark.unit
 def test_installed_once(made: list[dict[str, Any]]) -> None:
     installed = rendezvous.TCPStore
     store_connect.connect_when_listening()
