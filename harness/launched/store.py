@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from harness.common import reaper, signing
+from harness.common import listening, reaper, signing
 from harness.common.launch_detect import Launch
 from harness.launched import store_calls
 from harness.launched.gathered import Gathered
@@ -502,21 +502,14 @@ class StoreUnreachable(Exception):
 
 
 def _await_listening(host: str, port: int, bound_s: float) -> None:
-    """Wait, bounded, until the launch's store takes a connection: torch's client logs each
-    failed try with C++ frames on the terminal (a cut link, a store not up yet); a plain
-    socket's tries say nothing. Raises StoreUnreachable at the bound."""
-    deadline = time.monotonic() + bound_s
-    pause = _FIRST_POLL_S
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.5, min(5.0, left))):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise StoreUnreachable(f"no connection to {host}:{port} ({exc})") from None
-        time.sleep(pause)
-        pause = min(pause * 2, _LAST_POLL_S)
+    """Wait, bounded, until the launch's store takes a connection (a plain socket's tries
+    say nothing on the terminal). Raises StoreUnreachable at the bound."""
+    failed = listening.await_listening(
+        host, port, bound_s, first_pause_s=_FIRST_POLL_S, last_pause_s=_LAST_POLL_S,
+        try_at_least_s=0.5,
+    )  # fmt: skip
+    if failed is not None:
+        raise StoreUnreachable(f"no connection to {host}:{port} ({failed})") from None
 
 
 def store_gone(exc: BaseException) -> bool:

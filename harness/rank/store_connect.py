@@ -12,10 +12,10 @@ warm ranks; installed once per rank process.
 from __future__ import annotations
 
 import importlib
-import socket
-import time
 from datetime import timedelta
 from typing import Any
+
+from harness.common import listening
 
 _FIRST_PAUSE_S = 0.001
 _LAST_PAUSE_S = 0.05
@@ -35,29 +35,15 @@ def connect_when_listening() -> None:
     def tcp_store(*args: Any, **kwargs: Any) -> Any:
         given = dict(zip(_ARGS, args, strict=False)) | kwargs
         if not given.get("is_master", False) and "host_name" in given and "port" in given:
-            bound_s = min(_seconds(given), _AWAIT_AT_MOST_S)
-            await_listening(str(given["host_name"]), int(given["port"]), bound_s)
+            listening.await_listening(  # past its bound, torch's client reports its own error
+                str(given["host_name"]), int(given["port"]),
+                min(_seconds(given), _AWAIT_AT_MOST_S),
+                first_pause_s=_FIRST_PAUSE_S, last_pause_s=_LAST_PAUSE_S, try_at_least_s=0.1,
+            )  # fmt: skip
         return original(*args, **kwargs)
 
     tcp_store._harness_waits = True  # type: ignore[attr-defined]
     rendezvous.TCPStore = tcp_store
-
-
-def await_listening(host: str, port: int, bound_s: float) -> bool:
-    """Whether `host`:`port` takes a connection within `bound_s`; torch's client, called next
-    either way, connects at once or reports its own error."""
-    deadline = time.monotonic() + bound_s
-    pause = _FIRST_PAUSE_S
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-        pause = min(pause * 1.5, _LAST_PAUSE_S)
 
 
 def _seconds(given: dict[str, Any]) -> float:

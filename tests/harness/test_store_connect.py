@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.common import listening
 from harness.rank import store_connect
 
 # The module: torch.distributed exports a function of the same name.
@@ -113,7 +114,7 @@ def test_a_host_later_than_a_few_seconds_is_left_to_torch(
     harness's own wait ends after a few seconds, so a host that never comes fails as it
     would without the harness, not after twice the timeout."""
     bounds: list[float] = []
-    monkeypatch.setattr(store_connect, "await_listening", lambda h, p, s: bounds.append(s))
+    monkeypatch.setattr(listening, "await_listening", lambda h, p, s, **_: bounds.append(s))
     rendezvous.TCPStore("127.0.0.1", _port(unopened), 2, False, timedelta(minutes=30))
     rendezvous.TCPStore("127.0.0.1", _port(unopened), 2, False, timedelta(seconds=1))
     assert bounds == [store_connect._AWAIT_AT_MOST_S, 1.0] and len(made) == 2
